@@ -1,0 +1,10 @@
+"""vllm-contour: per-head KV-cache eviction for vLLM with real memory savings."""
+
+__version__ = "0.1.0"
+
+
+def register() -> None:
+    """vLLM general-plugin entry point (see ``vllm_contour.integration.plugin``)."""
+    from vllm_contour.integration.plugin import register as _register
+
+    _register()

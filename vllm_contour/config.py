@@ -1,0 +1,173 @@
+"""One validated eviction configuration (server default) plus per-request overrides.
+
+Sources, all validated here:
+- CLI: ``--kv-eviction-policy NAME --kv-budget N --kv-recent-window W --kv-sink-tokens S ...``
+- ``--additional-config '{"kv_eviction": {...}}'`` / ``LLM(..., additional_config={"kv_eviction": {...}})``
+- per request: ``SamplingParams(extra_args={"kv_policy": ..., "kv_budget": ...})`` or OpenAI
+  ``extra_body={"vllm_xargs": {...}}``.
+Pure python: no vLLM import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+ADDITIONAL_CONFIG_KEY = "kv_eviction"
+DEFAULT_BUDGET = 128
+
+
+class EvictionConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and what is allowed."""
+
+
+def _policy_names() -> list[str]:
+    from vllm_contour.policies import policy_names
+
+    return policy_names()
+
+
+def _check_int(field: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        # Accept integral floats from JSON (e.g. 128.0) but not 12.5 or strings.
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)
+        else:
+            raise EvictionConfigError(f"{field} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise EvictionConfigError(f"{field} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_bool(field: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise EvictionConfigError(f"{field} must be true or false, got {value!r}")
+
+
+def check_policy(field: str, value: Any) -> str:
+    names = _policy_names()
+    if not isinstance(value, str) or (value != "none" and value not in names):
+        raise EvictionConfigError(
+            f"{field}: unknown eviction policy {value!r}; allowed: none, {', '.join(names)}")
+    return value
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    """Server-wide eviction settings.
+
+    policy: preset name, or ``none`` (eviction off: vLLM behaves exactly as stock).
+    budget: mean prompt tokens kept per KV head per layer (the compacted part plus the dense tail of
+        the prompt's last partial page), handed out in whole head-pages.
+    recent_window: most recent prompt tokens every head keeps (recency floor).
+    sink_tokens: first tokens every head keeps (attention sinks).
+    window: observation window (last prompt queries) that query-aware scorers look at.
+    """
+
+    policy: str = "none"
+    budget: int = DEFAULT_BUDGET
+    recent_window: int = 32
+    sink_tokens: int = 4
+    window: int = 32
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy != "none"
+
+    # --- construction -------------------------------------------------------------------------
+    @classmethod
+    def fields(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None, *, source: str = ADDITIONAL_CONFIG_KEY) -> "EvictionConfig":
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise EvictionConfigError(f"{source} must be a JSON object, got {type(raw).__name__}")
+        allowed = cls.fields()
+        unknown = sorted(set(raw) - set(allowed))
+        if unknown:
+            raise EvictionConfigError(
+                f"{source}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
+        kw: dict[str, Any] = {}
+        if "policy" in raw:
+            kw["policy"] = check_policy(f"{source}.policy", raw["policy"])
+        for name, minimum in (("budget", 1), ("recent_window", 0), ("sink_tokens", 0), ("window", 1)):
+            if name in raw:
+                kw[name] = _check_int(f"{source}.{name}", raw[name], minimum)
+        cfg = cls(**kw)
+        if not cfg.enabled:
+            extra = sorted(k for k in raw if k != "policy")
+            if extra:
+                raise EvictionConfigError(
+                    f"{source}: {', '.join(extra)} given but the eviction policy is 'none' (eviction off); "
+                    f"set {source}.policy (--kv-eviction-policy) to one of: {', '.join(_policy_names())}")
+        return cfg
+
+    @classmethod
+    def from_additional_config(cls, additional_config: Any) -> "EvictionConfig":
+        if not additional_config:
+            return cls()
+        if isinstance(additional_config, Mapping):
+            return cls.from_dict(additional_config.get(ADDITIONAL_CONFIG_KEY))
+        return cls()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Per-request keys accepted in SamplingParams.extra_args / vllm_xargs.
+REQUEST_KEYS = {
+    "kv_policy": "policy",
+    "kv_budget": "budget",
+    "kv_recent_window": "recent_window",
+    "kv_sink_tokens": "sink_tokens",
+}
+
+
+@dataclass(frozen=True)
+class RequestEviction:
+    """Effective settings for one request (server default + overrides)."""
+
+    policy: str
+    budget: int
+    recent_window: int
+    sink_tokens: int
+    window: int
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy != "none"
+
+
+def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Validate the ``kv_*`` keys of a request's extra_args; returns {config field: value}.
+    Keys not starting with ``kv_`` belong to others and are ignored."""
+    out: dict[str, Any] = {}
+    if not extra_args:
+        return out
+    for key, value in extra_args.items():
+        if not isinstance(key, str) or not key.startswith("kv_"):
+            continue
+        if key not in REQUEST_KEYS:
+            raise EvictionConfigError(
+                f"unknown per-request eviction key {key!r}; allowed: {', '.join(sorted(REQUEST_KEYS))}")
+        field = REQUEST_KEYS[key]
+        if field == "policy":
+            out[field] = check_policy(key, value)
+        else:
+            out[field] = _check_int(key, value, 1 if field == "budget" else 0)
+    return out
+
+
+def resolve_request(server: EvictionConfig, extra_args: Mapping[str, Any] | None) -> RequestEviction:
+    kw = server.to_dict()
+    kw.update(request_overrides(extra_args))
+    return RequestEviction(**kw)

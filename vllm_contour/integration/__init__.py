@@ -1,0 +1,1 @@
+"""Everything that imports vLLM: plugin entry point, attention backend, KV connector, CLI flags."""

@@ -1,0 +1,154 @@
+"""``--kv-eviction-policy`` and friends on vLLM's own argument parser, folded into
+``additional_config["kv_eviction"]``; when eviction is on, the settings it needs are wired here.
+
+vLLM has no API for a general plugin to add CLI flags. The plugin wraps three EngineArgs methods:
+``add_cli_args`` (adds the flag group; ``AsyncEngineArgs.add_cli_args`` loads plugins right before it
+calls this), ``from_cli_args`` (folds the flags into ``additional_config``) and ``create_engine_config``
+(validates, then sets the KV connector, turns prefix caching off and picks a small block size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+
+from vllm_contour.config import ADDITIONAL_CONFIG_KEY, EvictionConfig, EvictionConfigError
+
+CONNECTOR_NAME = "ContourKVConnector"
+CONNECTOR_MODULE = "vllm_contour.integration.connector"
+DEFAULT_EVICTION_BLOCK_SIZE = 32
+
+# flag dest -> config field
+_FLAGS = {
+    "kv_eviction_policy": "policy",
+    "kv_budget": "budget",
+    "kv_recent_window": "recent_window",
+    "kv_sink_tokens": "sink_tokens",
+    "kv_observation_window": "window",
+}
+
+# Server config seen in this process (API server / offline LLM); used to validate per-request keys.
+ACTIVE_CONFIG: EvictionConfig | None = None
+
+
+def add_eviction_args(parser):
+    from vllm_contour.policies import policy_help
+
+    if any(getattr(a, "dest", None) == "kv_eviction_policy" for a in parser._actions):
+        return parser
+    helps = "; ".join(f"{k}: {v}" for k, v in policy_help().items())
+    group = parser.add_argument_group(
+        title="KV eviction (vllm-contour)",
+        description="Per-head KV-cache eviction after prefill; freed blocks go back to vLLM's pool. "
+                    "Same keys as --additional-config '{\"kv_eviction\": {...}}'.")
+    group.add_argument("--kv-eviction-policy", dest="kv_eviction_policy", type=str, default=None,
+                       metavar="NAME", help=f"Eviction policy; 'none' = off (stock vLLM). Policies: {helps}.")
+    group.add_argument("--kv-budget", dest="kv_budget", type=str, default=None, metavar="TOKENS",
+                       help="Mean prompt tokens kept per KV head per layer after prefill (default 128).")
+    group.add_argument("--kv-recent-window", dest="kv_recent_window", type=str, default=None, metavar="W",
+                       help="Most recent prompt tokens every head keeps (default 32).")
+    group.add_argument("--kv-sink-tokens", dest="kv_sink_tokens", type=str, default=None, metavar="S",
+                       help="First prompt tokens every head keeps (attention sinks, default 4).")
+    group.add_argument("--kv-observation-window", dest="kv_observation_window", type=str, default=None,
+                       metavar="W", help="Last prompt queries that query-aware scorers look at (default 32).")
+    return parser
+
+
+def fold_cli_args(args: argparse.Namespace, additional_config) -> dict | None:
+    """Merge the flags into a copy of additional_config. Conflicts with values given through
+    --additional-config are refused."""
+    given = {field: getattr(args, dest) for dest, field in _FLAGS.items()
+             if getattr(args, dest, None) is not None}
+    if not given:
+        return additional_config
+    ac = copy.deepcopy(dict(additional_config or {}))
+    existing = ac.get(ADDITIONAL_CONFIG_KEY) or {}
+    if not isinstance(existing, dict):
+        raise EvictionConfigError(f"{ADDITIONAL_CONFIG_KEY} must be a JSON object")
+    merged = dict(existing)
+    for field, value in given.items():
+        flag = "--" + [d for d, f in _FLAGS.items() if f == field][0].replace("_", "-")
+        if field in existing and str(existing[field]) != str(value):
+            raise EvictionConfigError(
+                f"{flag} {value} contradicts --additional-config {ADDITIONAL_CONFIG_KEY}.{field}="
+                f"{json.dumps(existing[field])}; give it once")
+        merged[field] = value
+    ac[ADDITIONAL_CONFIG_KEY] = merged
+    return ac
+
+
+def prepare_engine_args(engine_args) -> EvictionConfig:
+    """Validate the eviction config and wire what it needs into the EngineArgs (in place)."""
+    global ACTIVE_CONFIG
+    from vllm.logger import init_logger
+
+    logger = init_logger("vllm_contour")
+    cfg = EvictionConfig.from_additional_config(engine_args.additional_config)
+    if cfg.enabled:
+        # Normalise (e.g. "128" -> 128) so every process sees the same validated values.
+        ac = dict(engine_args.additional_config)
+        ac[ADDITIONAL_CONFIG_KEY] = cfg.to_dict()
+        engine_args.additional_config = ac
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            raise EvictionConfigError(
+                "--kv-eviction-policy: this build of vllm-contour evicts on vLLM's CPU backend only; "
+                f"the current platform is {current_platform.device_type}")
+        ktc = engine_args.kv_transfer_config
+        if ktc is None:
+            from vllm.config import KVTransferConfig
+
+            engine_args.kv_transfer_config = KVTransferConfig(
+                kv_connector=CONNECTOR_NAME, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_both")
+        else:
+            name = ktc.get("kv_connector") if isinstance(ktc, dict) else ktc.kv_connector
+            if name != CONNECTOR_NAME:
+                raise EvictionConfigError(
+                    f"--kv-transfer-config: KV connector {name!r} cannot be combined with "
+                    "--kv-eviction-policy (the eviction plugin installs its own connector)")
+        if engine_args.enable_prefix_caching:
+            raise EvictionConfigError(
+                "--enable-prefix-caching cannot be combined with --kv-eviction-policy yet "
+                "(compaction rewrites prompt blocks in place); drop the flag, the plugin turns it off")
+        if engine_args.enable_prefix_caching is None:
+            engine_args.enable_prefix_caching = False
+            logger.info("kv_eviction: prefix caching turned off (eviction compacts prompt blocks in place)")
+        if engine_args.block_size is None:
+            engine_args.block_size = DEFAULT_EVICTION_BLOCK_SIZE
+            logger.info("kv_eviction: block size %d (budgets are handed out in whole pages)",
+                        DEFAULT_EVICTION_BLOCK_SIZE)
+        if engine_args.speculative_config:
+            raise EvictionConfigError("--speculative-config cannot be combined with --kv-eviction-policy yet")
+        logger.info("kv_eviction: %s", cfg.to_dict())
+    ACTIVE_CONFIG = cfg
+    return cfg
+
+
+def patch_engine_args() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs, "_contour_patched", False):
+        return
+    orig_add = EngineArgs.add_cli_args
+    orig_from = EngineArgs.from_cli_args.__func__
+    orig_create = EngineArgs.create_engine_config
+
+    def add_cli_args(parser):
+        parser = orig_add(parser)
+        return add_eviction_args(parser)
+
+    def from_cli_args(cls, args):
+        engine_args = orig_from(cls, args)
+        engine_args.additional_config = fold_cli_args(args, engine_args.additional_config)
+        return engine_args
+
+    def create_engine_config(self, *a, **kw):
+        prepare_engine_args(self)
+        return orig_create(self, *a, **kw)
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    EngineArgs.from_cli_args = classmethod(from_cli_args)
+    EngineArgs.create_engine_config = create_engine_config
+    EngineArgs._contour_patched = True

@@ -1,0 +1,64 @@
+"""``register()``: the ``vllm.general_plugins`` entry point. Runs in every vLLM process (API server,
+engine core, workers), possibly several times: idempotent."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+_REGISTERED = False
+
+
+def _validate_request_args(extra_args) -> None:
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_contour.config import EvictionConfigError, request_overrides
+    from vllm_contour.integration import engine_args
+
+    try:
+        over = request_overrides(extra_args)
+    except EvictionConfigError as e:
+        raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
+    active = engine_args.ACTIVE_CONFIG
+    if over and active is not None and not active.enabled and over.get("policy", "none") != "none":
+        raise VLLMValidationError(
+            "per-request kv_* keys need a server started with --kv-eviction-policy "
+            "(eviction is off on this server)", parameter="vllm_xargs")
+
+
+def _patch_sampling_params() -> None:
+    from vllm.sampling_params import SamplingParams
+
+    if getattr(SamplingParams, "_contour_patched", False):
+        return
+    orig = SamplingParams._verify_extra_args
+
+    def _verify_extra_args(self) -> None:
+        orig(self)
+        _validate_request_args(self.extra_args)
+
+    SamplingParams._verify_extra_args = _verify_extra_args
+    SamplingParams._contour_patched = True
+
+
+def register() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from vllm.logger import init_logger
+
+    logger = init_logger("vllm_contour")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+        register_backend(AttentionBackendEnum.CPU_ATTN,
+                         "vllm_contour.integration.backend.ContourCPUAttentionBackend")
+    from vllm_contour.integration.engine_args import patch_engine_args
+
+    patch_engine_args()
+    _patch_sampling_params()
+    _REGISTERED = True
+    logger.info("vllm-contour plugin registered (pid %d, process %s)", os.getpid(),
+                multiprocessing.current_process().name)

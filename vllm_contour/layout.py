@@ -1,0 +1,123 @@
+"""Ragged head-page packing of one request's compacted prompt.
+
+vLLM's block is ``block_size`` tokens x all KV heads of every layer. Inside a layer a block holds one
+*head-page* per KV head ("lane"); head-page id ``block_id * H + lane`` names it. After eviction head
+(l, h) keeps ``pages[l, h]`` full head-pages. Layer l packs its ``P_l = sum_h pages[l, h]`` pages into the
+slots of the request's first ``K = max_l ceil(P_l / H)`` blocks, block-major (slot s -> block s // H, lane
+s % H): a head may borrow other heads' lanes, so memory is the SUM over heads, not H x max. Blocks
+``[K, E)`` of the compacted region are returned to vLLM's pool; the tail (blocks >= E) stays dense.
+Pure torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RequestLayout:
+    num_kv_heads: int
+    block_size: int
+    region_blocks: int  # E: blocks [0, E) were compacted
+    kept_blocks: int  # K: blocks [0, K) hold the packed runs
+    pages: torch.Tensor  # [L, H] int32 head-pages kept per head
+    page_ids: torch.Tensor  # [L, H, max_pages] int32 physical head-page ids (padded with the first)
+    block_ids: list[int]  # physical ids of blocks [0, K)
+
+    @property
+    def num_layers(self) -> int:
+        return self.pages.shape[0]
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """Kept tokens per (layer, head)."""
+        return self.pages * self.block_size
+
+    @property
+    def freed_blocks(self) -> int:
+        return self.region_blocks - self.kept_blocks
+
+    @property
+    def total_head_pages(self) -> int:
+        return int(self.pages.sum())
+
+
+def kept_blocks_for(pages: torch.Tensor, num_kv_heads: int) -> int:
+    """K = max over layers of ceil(sum_h pages / H), at least 1."""
+    per_layer = pages.to(torch.int64).sum(dim=1)
+    return max(1, int(((per_layer + num_kv_heads - 1) // num_kv_heads).max()))
+
+
+def plan_layout(pages: torch.Tensor, block_ids: list[int], block_size: int, num_kv_heads: int,
+                region_blocks: int) -> RequestLayout:
+    """Assign head-page slots for every (layer, head). ``block_ids`` are the request's physical block
+    ids in logical order (at least the first ``region_blocks``)."""
+    pages = pages.to(torch.int64)
+    num_layers, h = pages.shape
+    if h != num_kv_heads:
+        raise ValueError(f"pages has {h} heads, cache has {num_kv_heads}")
+    if int(pages.max()) > region_blocks:
+        raise ValueError("a head cannot keep more pages than the compacted region holds")
+    k = kept_blocks_for(pages, num_kv_heads)
+    if k > region_blocks:
+        raise ValueError(f"layout needs {k} blocks but the region has only {region_blocks}")
+    blocks = torch.tensor(block_ids[:k], dtype=torch.int64)
+    max_pages = max(1, int(pages.max()))
+    page_ids = torch.empty((num_layers, h, max_pages), dtype=torch.int64)
+    for layer in range(num_layers):
+        slot = 0
+        for head in range(h):
+            p = int(pages[layer, head])
+            slots = torch.arange(slot, slot + p)
+            ids = blocks[slots // num_kv_heads] * num_kv_heads + slots % num_kv_heads
+            page_ids[layer, head, :p] = ids
+            page_ids[layer, head, p:] = ids[0] if p > 0 else blocks[0] * num_kv_heads
+            slot += p
+    return RequestLayout(num_kv_heads=num_kv_heads, block_size=block_size, region_blocks=region_blocks,
+                         kept_blocks=k, pages=pages.to(torch.int32), page_ids=page_ids.to(torch.int32),
+                         block_ids=[int(b) for b in block_ids[:k]])
+
+
+def compaction_indices(kept: list[torch.Tensor], page_ids: torch.Tensor, block_ids: list[int],
+                       block_size: int, num_kv_heads: int):
+    """Token moves for one layer: (src_page, src_off, dst_page, dst_off), int64 [M] each.
+
+    ``kept[h]`` are the kept token indices of head h (logical positions in the region), ``page_ids``
+    ``[H, max_pages]`` the head's destination pages."""
+    blocks = torch.tensor(block_ids, dtype=torch.int64)
+    src_p, src_o, dst_p, dst_o = [], [], [], []
+    for head, idx in enumerate(kept):
+        n = idx.numel()
+        if n == 0:
+            continue
+        idx = idx.to(torch.int64)
+        src_p.append(blocks[idx // block_size] * num_kv_heads + head)
+        src_o.append(idx % block_size)
+        j = torch.arange(n)
+        dst_p.append(page_ids[head].to(torch.int64)[j // block_size])
+        dst_o.append(j % block_size)
+    if not src_p:
+        e = torch.empty(0, dtype=torch.int64)
+        return e, e, e, e
+    return torch.cat(src_p), torch.cat(src_o), torch.cat(dst_p), torch.cat(dst_o)
+
+
+def decode_page_table(layout: RequestLayout, tail_block_ids: list[int], tail_tokens: int):
+    """Per (layer, head) page list = packed run ++ dense tail pages, and token counts.
+
+    Returns ``page_table [L, H, max_pages + n_tail]`` int32 and ``seq_lens [L, H]`` int32. All pages but
+    the last of every list are full (runs are whole pages), which the decode op relies on."""
+    h = layout.num_kv_heads
+    n_tail = len(tail_block_ids)
+    num_layers, _, max_pages = layout.page_ids.shape
+    tail = torch.tensor(tail_block_ids, dtype=torch.int64) * h
+    tail_ids = (tail.view(1, 1, n_tail) + torch.arange(h).view(1, h, 1)).expand(num_layers, h, n_tail)
+    combined = torch.cat([layout.page_ids.to(torch.int64), tail_ids], dim=2)
+    pages = layout.pages.to(torch.int64).unsqueeze(-1)
+    j = torch.arange(max_pages + n_tail).view(1, 1, -1)
+    idx = torch.where(j < pages, j, max_pages + (j - pages)).clamp_max(max_pages + n_tail - 1)
+    table = torch.gather(combined, 2, idx.expand(num_layers, h, -1))
+    seq_lens = layout.pages.to(torch.int64) * layout.block_size + tail_tokens
+    return table.to(torch.int32), seq_lens.to(torch.int32)

@@ -1,0 +1,84 @@
+"""Torch reference implementations of the ops. Always available; the others are checked against them.
+
+Cache convention for every op: ``key_cache`` and ``value_cache`` are ``[num_blocks, H, block_size, D]``
+views with arbitrary strides (vLLM's CPU layout ``[B, H, bs, 2D]`` gives K rows then V rows inside one
+contiguous head-page; GPU layouts interleave heads per token). A head-page id is ``block * H + lane``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _split(page_ids: torch.Tensor, num_heads: int):
+    p = page_ids.to(torch.int64)
+    return p // num_heads, p % num_heads
+
+
+def compact_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, src_page: torch.Tensor,
+                src_off: torch.Tensor, dst_page: torch.Tensor, dst_off: torch.Tensor) -> None:
+    """Move token (src_page, src_off) -> (dst_page, dst_off) for K and V, in place. Sources and
+    destinations may overlap (a token may be overwritten after it was read): everything is gathered
+    out of place first, then scattered."""
+    if src_page.numel() == 0:
+        return
+    h = key_cache.shape[1]
+    sb, sl = _split(src_page, h)
+    db, dl = _split(dst_page, h)
+    so, do = src_off.to(torch.int64), dst_off.to(torch.int64)
+    k = key_cache[sb, sl, so].clone()
+    v = value_cache[sb, sl, so].clone()
+    key_cache[db, dl, do] = k
+    value_cache[db, dl, do] = v
+
+
+def ragged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                                moments=None):
+    """Decode attention over per-head ragged page lists.
+
+    query ``[T, Hq, D]`` (one token per row); ``page_table [T, H, P]`` head-page ids, ``seq_lens [T, H]``
+    tokens of each list (all pages full but the last). Query head ``q`` reads KV head ``q // (Hq/H)``.
+    Returns ``(out [T, Hq, D] in query dtype, lse [T, Hq] fp32)`` where lse is the natural-log
+    log-sum-exp of the scaled logits over the kept tokens.
+
+    ``moments`` (optional, see ``vllm_contour.moments``) mixes in the closed-form estimate of the evicted
+    part: dict with ``n [T, H]``, ``sum_k [T, H, D]``, ``sum_v [T, H, D]``, ``sum_vk [T, H, D, D]`` fp32.
+    """
+    t, hq, d = query.shape
+    h = key_cache.shape[1]
+    bs = key_cache.shape[2]
+    g = hq // h
+    p = page_table.shape[2]
+    blk, lane = _split(page_table, h)  # [T, H, P]
+    k = key_cache[blk, lane].to(torch.float32).reshape(t, h, p * bs, d)
+    v = value_cache[blk, lane].to(torch.float32).reshape(t, h, p * bs, d)
+    q = query.to(torch.float32).reshape(t, h, g, d)
+    logits = torch.einsum("thgd,thnd->thgn", q, k) * scale
+    valid = torch.arange(p * bs).view(1, 1, -1) < seq_lens.to(torch.int64).unsqueeze(-1)  # [T, H, N]
+    logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [T, H, G]
+    probs = torch.exp(logits - lse.unsqueeze(-1))
+    out = torch.einsum("thgn,thnd->thgd", probs, v)
+    if moments is not None:
+        from vllm_contour.moments import merge_evicted
+
+        out, lse = merge_evicted(out, lse, q, moments, scale)
+    return out.reshape(t, hq, d).to(query.dtype), lse.reshape(t, hq)
+
+
+def dense_attention_ref(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float):
+    """Plain attention of one query row ``[Hq, D]`` over explicit ``keys/values [H, N, D]`` (test oracle)."""
+    hq, d = query.shape
+    h = keys.shape[0]
+    q = query.to(torch.float32).reshape(h, hq // h, d)
+    logits = torch.einsum("hgd,hnd->hgn", q, keys.to(torch.float32)) * scale
+    lse = torch.logsumexp(logits, dim=-1)
+    out = torch.einsum("hgn,hnd->hgd", torch.softmax(logits, dim=-1), values.to(torch.float32))
+    return out.reshape(hq, d), lse.reshape(hq)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,79 @@
+"""``ragged_decode_attention`` on vLLM's own CPU attention kernel (no LSE, no moment correction).
+
+vLLM's CPU cache is ``[B, H, bs, 2D]``: every (block, head) is one contiguous head-page, so the cache can
+be viewed as ``B*H`` single-head blocks. Each (token, KV head) pair becomes one pseudo-request with one
+query row per query head of its GQA group, its own page table (the head's packed run, then its dense
+tail) and its own length; the kernel needs every page but the last to be full, which runs of whole pages
+guarantee. Registered only where vLLM's CPU kernels are importable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from . import register_impl
+
+
+def _have_kernel() -> bool:
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    try:
+        import vllm._custom_ops  # noqa: F401
+    except Exception:
+        return False
+    return hasattr(torch.ops._C, "cpu_attention_with_kv_cache")
+
+
+_HAVE = None
+
+
+def _supports(device_type: str, moments: bool = False, need_lse: bool = False, key_cache=None, **kw) -> bool:
+    global _HAVE
+    if device_type != "cpu" or moments or need_lse:
+        return False
+    if key_cache is not None:
+        b, h, bs, d = key_cache.shape
+        if key_cache.stride(0) != h * key_cache.stride(1) or key_cache.stride(3) != 1 or bs % 32 or \
+                key_cache.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False
+    if _HAVE is None:
+        _HAVE = _have_kernel()
+    return _HAVE
+
+
+def _page_view(cache: torch.Tensor) -> torch.Tensor:
+    b, h, bs, d = cache.shape
+    s = cache.stride()
+    return cache.as_strided((b * h, 1, bs, d), (s[1], s[1], s[2], s[3]))
+
+
+def ragged_decode_attention_vllm(query, key_cache, value_cache, page_table, seq_lens, scale,
+                                 moments=None, **_):
+    from vllm import _custom_ops as vops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    if moments is not None:
+        raise ValueError("the vllm_cpu implementation has no moment correction")
+    t, hq, d = query.shape
+    _, h, bs, _ = key_cache.shape
+    g = hq // h
+    n = t * h
+    q = query.reshape(n, g, d).contiguous()
+    out = torch.empty_like(q)
+    qsl = torch.arange(n + 1, dtype=torch.int32)
+    sl = seq_lens.reshape(n).to(torch.int32).contiguous()
+    bt = page_table.reshape(n, -1).to(torch.int32).contiguous()
+    isa = _get_attn_isa(query.dtype, bs, d)
+    md = vops.cpu_attn_get_scheduler_metadata(
+        num_reqs=n, num_heads=g, num_kv_heads=1, head_dim=d, seq_lens=sl, dtype=query.dtype,
+        query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+    vops.cpu_attention_with_kv_cache(
+        query=q, key_cache=_page_view(key_cache), value_cache=_page_view(value_cache), output=out,
+        query_start_loc=qsl, seq_lens=sl, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=bt, softcap=0.0, scheduler_metadata=md, s_aux=None)
+    return out.view(t, hq, d), None
+
+
+register_impl("ragged_decode_attention", "vllm_cpu", ragged_decode_attention_vllm, _supports)

@@ -1,0 +1,107 @@
+"""The policy interface: score -> allocate -> select, per layer, pure torch.
+
+A policy sees one layer of one request at a time (``LayerInputs``) and returns, for every KV head, the
+sorted indices of the tokens it keeps inside the *compactable region* ``[0, region_len)`` of the prompt.
+``region_len`` is a whole number of pages (``num_region_pages * page_size``); prompt tokens past it (the
+"tail", fewer than one page, plus the question in query-agnostic mode) stay dense and are never evicted.
+
+Budgets are handed out in whole head-pages: every head keeps ``pages[h] * page_size`` tokens. The caller
+decides the layer's total number of pages (``LayerBudget``); the allocator splits it between heads, the
+selector picks the tokens. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class LayerInputs:
+    """What a policy may look at for one (request, layer).
+
+    keys / values: ``[H, T, D]`` post-RoPE keys and values of every prompt token that has KV
+    (``T = num_prompt_tokens``), in the cache dtype. Tokens ``[0, region_len)`` are the candidates.
+    queries: ``[Hq, W, D]`` post-RoPE queries of the observation window (the last ``W`` tokens before
+    ``window_end``), or None when the engine did not capture any (query-free policies).
+    query_positions: ``[W]`` absolute positions of those queries.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    region_len: int
+    page_size: int
+    layer_idx: int
+    num_layers: int
+    scale: float
+    queries: torch.Tensor | None = None
+    query_positions: torch.Tensor | None = None
+    # Token index where the scoring context ends (query-agnostic mode: the context boundary;
+    # otherwise the prompt length). Windows (recent, observation) end here.
+    window_end: int | None = None
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def num_region_pages(self) -> int:
+        return self.region_len // self.page_size
+
+    @property
+    def context_end(self) -> int:
+        return self.num_tokens if self.window_end is None else self.window_end
+
+
+@dataclass
+class LayerBudget:
+    """Total head-pages the layer may keep, and the per-head minimum (recency floor + sinks)."""
+
+    total_pages: int
+    floor_pages: int = 1
+
+
+@dataclass
+class Selection:
+    """Result for one layer: ``kept[h]`` is a sorted int64 tensor of token indices in [0, region_len),
+    its length a multiple of page_size (a head may keep the whole region).
+
+    ``aux`` carries optional per-layer extras for the engine (e.g. moment statistics of the evicted set).
+    """
+
+    kept: list[torch.Tensor]
+    aux: dict = field(default_factory=dict)
+
+    def counts(self) -> list[int]:
+        return [int(k.numel()) for k in self.kept]
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    needs_queries: bool
+
+    def score(self, inp: LayerInputs) -> torch.Tensor:
+        """``[H, region_len]`` float scores; higher = more worth keeping."""
+
+
+@runtime_checkable
+class Allocator(Protocol):
+    def allocate(self, scores: torch.Tensor, inp: LayerInputs, budget: LayerBudget) -> torch.Tensor:
+        """``[H]`` int64 pages per head: each in [floor, region_pages], summing to the layer total
+        (clipped to what the region can hold)."""
+
+
+@runtime_checkable
+class Selector(Protocol):
+    def select(self, scores: torch.Tensor, pages: torch.Tensor, inp: LayerInputs) -> list[torch.Tensor]:
+        """Per head sorted kept indices, ``pages[h] * page_size`` of them."""
