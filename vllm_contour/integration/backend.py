@@ -18,6 +18,17 @@ from vllm_contour import ops
 from vllm_contour.config import EvictionConfig
 from vllm_contour.integration.state import CaptureRows, DecodeRows, worker_state
 from vllm_contour.layout import decode_page_table
+from vllm_contour.ops.cpu_layout import cpu_kv_views, detect_key_layout
+
+
+def layer_kv_views(kv_cache: torch.Tensor):
+    """Logical [B, H, bs, D] key/value views of one layer's CPU cache (key layout probed once)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    _, _, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    isa = _get_attn_isa(kv_cache.dtype, bs, d)
+    return cpu_kv_views(kv_cache, detect_key_layout(isa, kv_cache.dtype, bs, d))
 
 
 def _eviction_enabled() -> bool:
@@ -132,12 +143,10 @@ class ContourCPUAttentionImpl(CPUAttentionBackendImpl):
                 if cap.positions is None:
                     cap.positions = torch.arange(pos0, pos0 + n)
         if decode is not None:
-            nb, h, bs, _ = kv_cache.shape
-            kv2 = kv_cache.view(nb, h, 2 * bs, self.head_size)
-            key_cache, value_cache = kv2[:, :, :bs], kv2[:, :, bs:]
+            key_cache, value_cache = layer_kv_views(kv_cache)
             q = q3[decode.token_idx]
             o, _ = ops.ragged_decode_attention(q, key_cache, value_cache, decode.page_table[layer_idx],
-                                               decode.seq_lens[layer_idx], self.scale)
+                                               decode.seq_lens[layer_idx], self.scale, native=True)
             out3 = output.view(output.shape[0], self.num_heads, self.head_size)
             out3[decode.token_idx] = o.to(out3.dtype)
         return out

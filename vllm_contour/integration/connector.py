@@ -166,7 +166,7 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.stats.last[req_id] = (k, e, len(freed))
             if len(self.stats.last) > 4096:
                 self.stats.last.pop(next(iter(self.stats.last)))
-            logger.debug("kv_eviction: %s keeps blocks [0,%d) of %d, freed %d", req_id, k, e, len(freed))
+            logger.info("kv_eviction: %s keeps blocks [0,%d) of %d, freed %d", req_id, k, e, len(freed))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
@@ -187,12 +187,9 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
         st.window = self.config.window
 
     def _cache_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        views = []
-        for _, kv in self._layer_caches:
-            nb, h, bs, two_d = kv.shape
-            kv2 = kv.view(nb, h, 2 * bs, two_d // 2)
-            views.append((kv2[:, :, :bs], kv2[:, :, bs:]))
-        return views
+        from vllm_contour.integration.backend import layer_kv_views
+
+        return [layer_kv_views(kv) for _, kv in self._layer_caches]
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
         assert isinstance(kv_connector_metadata, ContourMetadata)

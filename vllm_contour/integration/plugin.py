@@ -20,7 +20,8 @@ def _validate_request_args(extra_args) -> None:
     except EvictionConfigError as e:
         raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
     active = engine_args.ACTIVE_CONFIG
-    if over and active is not None and not active.enabled and over.get("policy", "none") != "none":
+    if active is not None and not active.enabled and any(
+            (k, v) != ("policy", "none") for k, v in over.items()):
         raise VLLMValidationError(
             "per-request kv_* keys need a server started with --kv-eviction-policy "
             "(eviction is off on this server)", parameter="vllm_xargs")

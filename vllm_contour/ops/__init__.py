@@ -53,11 +53,12 @@ def compact(key_cache, value_cache, src_page, src_off, dst_page, dst_off, impl: 
 
 
 def ragged_decode_attention(query, key_cache, value_cache, page_table, seq_lens, scale, moments=None,
-                            impl: str | None = None, need_lse: bool = False, **extra):
+                            impl: str | None = None, need_lse: bool = False, native: bool = False, **extra):
     """Returns ``(out, lse)``; implementations without a log-sum-exp return ``lse=None`` and are only
-    picked when ``need_lse`` is False."""
+    picked when ``need_lse`` is False. ``native=True`` says the caches are vLLM's own CPU layout (views
+    from ``cpu_layout.cpu_kv_views``), which vLLM's kernel can read directly."""
     fn = _pick("ragged_decode_attention", impl, key_cache.device.type, moments=moments is not None,
-               need_lse=need_lse, key_cache=key_cache)
+               need_lse=need_lse, key_cache=key_cache, value_cache=value_cache, native=native)
     return fn(query, key_cache, value_cache, page_table, seq_lens, scale, moments=moments, **extra)
 
 

@@ -29,28 +29,29 @@ def _have_kernel() -> bool:
 _HAVE = None
 
 
-def _supports(device_type: str, moments: bool = False, need_lse: bool = False, key_cache=None, **kw) -> bool:
+def _supports(device_type: str, moments: bool = False, need_lse: bool = False, key_cache=None,
+              value_cache=None, native: bool = False, **kw) -> bool:
+    """Only for caches in vLLM's native CPU layout (the caller says so with ``native=True``: the kernel
+    reads page interiors in its own format), one head-page per (block, head) at a fixed stride."""
     global _HAVE
-    if device_type != "cpu" or moments or need_lse:
+    if device_type != "cpu" or moments or need_lse or not native:
         return False
-    if key_cache is not None:
-        b, h, bs, d = key_cache.shape
-        if key_cache.stride(0) != h * key_cache.stride(1) or key_cache.stride(3) != 1 or bs % 32 or \
-                key_cache.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    for c in (key_cache, value_cache):
+        if c is None:
+            continue
+        b, h, bs, d = c.shape
+        if c.stride(0) != h * c.stride(1) or bs % 32 or \
+                c.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return False
     if _HAVE is None:
         _HAVE = _have_kernel()
     return _HAVE
 
 
-def _page_view(cache: torch.Tensor) -> torch.Tensor:
-    b, h, bs, d = cache.shape
-    s = cache.stride()
-    return cache.as_strided((b * h, 1, bs, d), (s[1], s[1], s[2], s[3]))
-
-
 def ragged_decode_attention_vllm(query, key_cache, value_cache, page_table, seq_lens, scale,
                                  moments=None, **_):
+    from .cpu_layout import native_page_views
+
     from vllm import _custom_ops as vops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -66,11 +67,12 @@ def ragged_decode_attention_vllm(query, key_cache, value_cache, page_table, seq_
     sl = seq_lens.reshape(n).to(torch.int32).contiguous()
     bt = page_table.reshape(n, -1).to(torch.int32).contiguous()
     isa = _get_attn_isa(query.dtype, bs, d)
+    kpages, vpages = native_page_views(key_cache, value_cache)
     md = vops.cpu_attn_get_scheduler_metadata(
         num_reqs=n, num_heads=g, num_kv_heads=1, head_dim=d, seq_lens=sl, dtype=query.dtype,
         query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
     vops.cpu_attention_with_kv_cache(
-        query=q, key_cache=_page_view(key_cache), value_cache=_page_view(value_cache), output=out,
+        query=q, key_cache=kpages, value_cache=vpages, output=out,
         query_start_loc=qsl, seq_lens=sl, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
         block_table=bt, softcap=0.0, scheduler_metadata=md, s_aux=None)
     return out.view(t, hq, d), None

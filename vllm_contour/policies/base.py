@@ -39,8 +39,12 @@ class LayerInputs:
     queries: torch.Tensor | None = None
     query_positions: torch.Tensor | None = None
     # Token index where the scoring context ends (query-agnostic mode: the context boundary;
-    # otherwise the prompt length). Windows (recent, observation) end here.
+    # otherwise the prompt length). Windows (recent, observation) end here. Tokens at or after it
+    # (the question) are kept dense and must not influence any score.
     window_end: int | None = None
+    # The layer's total head-pages (after any layer schedule), filled in by ``Policy.plan_layer`` for
+    # scorers that want to know roughly how much will be evicted (MomentKV's second pass). Optional.
+    budget_pages: int | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -62,13 +66,23 @@ class LayerInputs:
     def context_end(self) -> int:
         return self.num_tokens if self.window_end is None else self.window_end
 
+    @property
+    def context_len(self) -> int:
+        """Tokens of the scoring context that have KV: ``min(context_end, num_tokens)``."""
+        return max(0, min(self.context_end, self.num_tokens))
+
 
 @dataclass
 class LayerBudget:
-    """Total head-pages the layer may keep, and the per-head minimum (recency floor + sinks)."""
+    """Total head-pages the layer may keep, and the per-head minimum (recency floor + sinks).
+
+    ``forced`` (optional, ``[region_len]`` bool) marks the tokens every head keeps anyway (sinks and
+    recent window); mass-aware allocators (ContourKV) use it so that they do not pay twice for mass that
+    the floor already holds."""
 
     total_pages: int
     floor_pages: int = 1
+    forced: torch.Tensor | None = None
 
 
 @dataclass
@@ -104,4 +118,5 @@ class Allocator(Protocol):
 @runtime_checkable
 class Selector(Protocol):
     def select(self, scores: torch.Tensor, pages: torch.Tensor, inp: LayerInputs) -> list[torch.Tensor]:
-        """Per head sorted kept indices, ``pages[h] * page_size`` of them."""
+        """Per head sorted kept indices, ``pages[h] * page_size`` of them. ``scores`` are the scorer's
+        scores with the forced tokens (sinks, recent window) set to ``+inf``."""

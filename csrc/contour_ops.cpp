@@ -1,0 +1,496 @@
+// CPU kernels of vllm-contour's three ops (C++/OpenMP). Caches fp32 / bf16 / fp16 (compaction copies the
+// bits of any 1/2/4/8-byte dtype); all arithmetic in fp32.
+//
+// Cache convention (see vllm_contour/ops/reference.py): key_cache / value_cache are [num_blocks, H, bs, D]
+// views with arbitrary element strides; a head-page id is block * H + lane.
+//
+//   compact(kc, vc, src_page, src_off, dst_page, dst_off)          in place, overlap-safe
+//   accumulate_moments(kc, vc, page_ids, offsets, head, n, sum_k, sum_v, sum_vk)   in place, fp32 stats
+//   ragged_decode_attention(q, kc, vc, page_table, seq_lens, scale, [n, sum_k, sum_v, sum_vk]) -> (out, lse)
+#include <torch/extension.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#define CONTOUR_F16C 1
+#endif
+
+namespace {
+
+using torch::Tensor;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ------------------------------------------------------------------------------------------------ views
+template <typename T>
+struct Cache {
+  T* base;
+  int64_t s0, s1, s2, s3, heads, pages, bs;
+  inline T* row(int64_t page, int64_t off) const {
+    return base + (page / heads) * s0 + (page % heads) * s1 + off * s2;
+  }
+};
+
+template <typename T>
+Cache<T> cache_view(const Tensor& c) {
+  return Cache<T>{reinterpret_cast<T*>(c.data_ptr()), c.stride(0), c.stride(1), c.stride(2), c.stride(3),
+                  c.size(1), c.size(0) * c.size(1), c.size(2)};
+}
+
+void check_cache_pair(const Tensor& kc, const Tensor& vc) {
+  TORCH_CHECK(kc.dim() == 4 && vc.dim() == 4, "caches must be [num_blocks, H, block_size, D]");
+  TORCH_CHECK(kc.sizes() == vc.sizes(), "key_cache and value_cache shapes differ");
+  TORCH_CHECK(kc.scalar_type() == vc.scalar_type(), "key_cache and value_cache dtypes differ");
+  TORCH_CHECK(kc.device().is_cpu() && vc.device().is_cpu(), "CPU kernels need CPU caches");
+}
+
+Tensor as_long(const Tensor& t) { return t.to(torch::kInt64).contiguous(); }
+
+// ---------------------------------------------------------------------------------------- fp32 rows
+inline void load_row(const double* p, int64_t s, int64_t D, float* __restrict out) {
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(p[d * s]);
+}
+
+inline void load_row(const float* p, int64_t s, int64_t D, float* __restrict out) {
+  if (s == 1) {
+    std::memcpy(out, p, D * sizeof(float));
+  } else {
+    for (int64_t d = 0; d < D; ++d) out[d] = p[d * s];
+  }
+}
+
+inline void load_row(const c10::BFloat16* p, int64_t s, int64_t D, float* __restrict out) {
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(p);
+  uint32_t* o = reinterpret_cast<uint32_t*>(out);
+  if (s == 1) {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<uint32_t>(u[d]) << 16;
+  } else {
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<uint32_t>(u[d * s]) << 16;
+  }
+}
+
+inline void load_row(const c10::Half* p, int64_t s, int64_t D, float* __restrict out) {
+  int64_t d = 0;
+#ifdef CONTOUR_F16C
+  if (s == 1) {
+    for (; d + 8 <= D; d += 8)
+      _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + d))));
+  }
+#endif
+  for (; d < D; ++d) out[d] = static_cast<float>(p[d * s]);
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// dots of q with 4 rows at once (4 independent accumulator chains)
+inline void dot4(const float* __restrict q, const float* __restrict k, int64_t D, float* r) {
+  const float *k0 = k, *k1 = k + D, *k2 = k + 2 * D, *k3 = k + 3 * D;
+  float a = 0.f, b = 0.f, c = 0.f, e = 0.f;
+#pragma omp simd reduction(+ : a, b, c, e)
+  for (int64_t d = 0; d < D; ++d) {
+    const float x = q[d];
+    a += x * k0[d];
+    b += x * k1[d];
+    c += x * k2[d];
+    e += x * k3[d];
+  }
+  r[0] = a;
+  r[1] = b;
+  r[2] = c;
+  r[3] = e;
+}
+
+inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) y[d] += a * x[d];
+}
+
+// y += a0 x0 + a1 x1 + a2 x2 + a3 x3 with rows x_i = x + i * D
+inline void axpy4(float* __restrict y, const float* a, const float* __restrict x, int64_t D) {
+  const float a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+  const float *x0 = x, *x1 = x + D, *x2 = x + 2 * D, *x3 = x + 3 * D;
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) y[d] += a0 * x0[d] + a1 * x1[d] + a2 * x2[d] + a3 * x3[d];
+}
+
+inline void scal(float* y, float a, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) y[d] *= a;
+}
+
+// ------------------------------------------------------------------------------------------- compact
+template <typename U>
+inline void copy_row(U* dst, int64_t ds, const U* src, int64_t ss, int64_t D) {
+  if (ds == 1 && ss == 1) {
+    std::memcpy(dst, src, D * sizeof(U));
+  } else {
+    for (int64_t d = 0; d < D; ++d) dst[d * ds] = src[d * ss];
+  }
+}
+
+// Which moves read a slot that another move writes ("clobbered" sources). Only those go through a
+// temporary buffer; every other source is never written, so it can be read at any time.
+std::vector<uint8_t> clobbered_sources(const int64_t* sp, const int64_t* so, const int64_t* dp,
+                                       const int64_t* dof, int64_t M, int64_t bs) {
+  std::vector<uint8_t> clob(M, 0);
+  if (M == 0) return clob;
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
+  for (int64_t i = 0; i < M; ++i) {
+    const int64_t s = dp[i] * bs + dof[i];
+    lo = std::min(lo, s);
+    hi = std::max(hi, s);
+  }
+  const int64_t range = hi - lo + 1;
+  if (range <= std::max<int64_t>(64 * M, int64_t(1) << 22)) {  // dense bitmap of destination slots
+    std::vector<uint64_t> bits((range + 63) / 64, 0);
+    for (int64_t i = 0; i < M; ++i) {
+      const int64_t s = dp[i] * bs + dof[i] - lo;
+      bits[s >> 6] |= uint64_t(1) << (s & 63);
+    }
+    for (int64_t i = 0; i < M; ++i) {
+      const int64_t s = sp[i] * bs + so[i];
+      if (s == dp[i] * bs + dof[i] || s < lo || s > hi) continue;  // a self move, or outside
+      const int64_t r = s - lo;
+      clob[i] = (bits[r >> 6] >> (r & 63)) & 1;
+    }
+  } else {  // sparse: sorted destination slots + binary search
+    std::vector<int64_t> dst(M);
+    for (int64_t i = 0; i < M; ++i) dst[i] = dp[i] * bs + dof[i];
+    std::sort(dst.begin(), dst.end());
+    for (int64_t i = 0; i < M; ++i) {
+      const int64_t s = sp[i] * bs + so[i];
+      if (s == dp[i] * bs + dof[i]) continue;
+      clob[i] = std::binary_search(dst.begin(), dst.end(), s);
+    }
+  }
+  return clob;
+}
+
+template <typename U>
+void compact_kernel(const Tensor& kc, const Tensor& vc, const int64_t* sp, const int64_t* so, const int64_t* dp,
+                    const int64_t* dof, int64_t M) {
+  Cache<U> K = cache_view<U>(kc), V = cache_view<U>(vc);
+  const int64_t D = kc.size(3);
+  const std::vector<uint8_t> clob = clobbered_sources(sp, so, dp, dof, M, K.bs);
+  std::vector<int64_t> slot(M, -1);  // index into the temporary buffer
+  int64_t C = 0;
+  for (int64_t i = 0; i < M; ++i)
+    if (clob[i]) slot[i] = C++;
+  std::unique_ptr<U[]> tk(new U[C * D + 1]), tv(new U[C * D + 1]);  // uninitialised
+  if (C > 0) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < M; ++i) {
+      if (slot[i] < 0) continue;
+      copy_row<U>(tk.get() + slot[i] * D, 1, K.row(sp[i], so[i]), K.s3, D);
+      copy_row<U>(tv.get() + slot[i] * D, 1, V.row(sp[i], so[i]), V.s3, D);
+    }
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < M; ++i) {
+    if (sp[i] == dp[i] && so[i] == dof[i]) continue;
+    if (slot[i] >= 0) {
+      copy_row<U>(K.row(dp[i], dof[i]), K.s3, tk.get() + slot[i] * D, 1, D);
+      copy_row<U>(V.row(dp[i], dof[i]), V.s3, tv.get() + slot[i] * D, 1, D);
+    } else {
+      copy_row<U>(K.row(dp[i], dof[i]), K.s3, K.row(sp[i], so[i]), K.s3, D);
+      copy_row<U>(V.row(dp[i], dof[i]), V.s3, V.row(sp[i], so[i]), V.s3, D);
+    }
+  }
+}
+
+void check_slots(const int64_t* p, const int64_t* o, int64_t M, int64_t pages, int64_t bs, const char* what) {
+  for (int64_t i = 0; i < M; ++i)
+    TORCH_CHECK(p[i] >= 0 && p[i] < pages && o[i] >= 0 && o[i] < bs, what, " token ", i, " (page ", p[i],
+                ", offset ", o[i], ") is outside the cache (", pages, " head-pages x ", bs, ")");
+}
+
+void compact(Tensor kc, Tensor vc, Tensor src_page, Tensor src_off, Tensor dst_page, Tensor dst_off) {
+  check_cache_pair(kc, vc);
+  const int64_t M = src_page.numel();
+  TORCH_CHECK(src_off.numel() == M && dst_page.numel() == M && dst_off.numel() == M, "index lengths differ");
+  if (M == 0) return;
+  Tensor sp = as_long(src_page), so = as_long(src_off), dp = as_long(dst_page), dof = as_long(dst_off);
+  const int64_t pages = kc.size(0) * kc.size(1), bs = kc.size(2);
+  check_slots(sp.data_ptr<int64_t>(), so.data_ptr<int64_t>(), M, pages, bs, "source");
+  check_slots(dp.data_ptr<int64_t>(), dof.data_ptr<int64_t>(), M, pages, bs, "destination");
+  const int64_t* a = sp.data_ptr<int64_t>();
+  const int64_t* b = so.data_ptr<int64_t>();
+  const int64_t* c = dp.data_ptr<int64_t>();
+  const int64_t* d = dof.data_ptr<int64_t>();
+  switch (kc.element_size()) {
+    case 1: compact_kernel<uint8_t>(kc, vc, a, b, c, d, M); break;
+    case 2: compact_kernel<uint16_t>(kc, vc, a, b, c, d, M); break;
+    case 4: compact_kernel<uint32_t>(kc, vc, a, b, c, d, M); break;
+    case 8: compact_kernel<uint64_t>(kc, vc, a, b, c, d, M); break;
+    default: TORCH_CHECK(false, "compact: unsupported element size ", kc.element_size());
+  }
+}
+
+// -------------------------------------------------------------------------------- accumulate_moments
+template <typename T>
+void accumulate_kernel(const Tensor& kc, const Tensor& vc, const int64_t* page, const int64_t* off,
+                       const int64_t* head, int64_t M, int64_t Hm, float* n, float* sk, float* sv, float* svk) {
+  Cache<T> K = cache_view<T>(kc), V = cache_view<T>(vc);
+  const int64_t D = kc.size(3);
+  // bucket the tokens by head (counting sort, stable)
+  std::vector<int64_t> start(Hm + 1, 0), order(M);
+  for (int64_t i = 0; i < M; ++i) ++start[head[i] + 1];
+  for (int64_t h = 0; h < Hm; ++h) start[h + 1] += start[h];
+  {
+    std::vector<int64_t> pos(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < M; ++i) order[pos[head[i]]++] = i;
+  }
+  // tasks: (head, chunk of sum_vk rows); split rows only when there are fewer heads than threads
+  const int64_t nt = omp_get_max_threads();
+  int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((2 * nt + Hm - 1) / Hm, D / 8));
+  if (nt == 1) chunks = 1;
+  const int64_t rows = (D + chunks - 1) / chunks;
+  constexpr int64_t NB = 32;  // tokens per batch
+#pragma omp parallel
+  {
+    std::vector<float> kb(NB * D), vb(NB * D), vt(D * NB);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < Hm * chunks; ++task) {
+      const int64_t h = task / chunks, ch = task % chunks;
+      const int64_t r0 = ch * rows, r1 = std::min(D, r0 + rows);
+      if (r0 >= r1 || start[h] == start[h + 1]) continue;
+      float* S = svk + h * D * D;
+      for (int64_t b0 = start[h]; b0 < start[h + 1]; b0 += NB) {
+        const int64_t nb = std::min(NB, start[h + 1] - b0);
+        for (int64_t j = 0; j < nb; ++j) {
+          const int64_t i = order[b0 + j];
+          load_row(K.row(page[i], off[i]), K.s3, D, kb.data() + j * D);
+          load_row(V.row(page[i], off[i]), V.s3, D, vb.data() + j * D);
+        }
+        if (ch == 0) {
+          n[h] += static_cast<float>(nb);
+          for (int64_t j = 0; j < nb; ++j) {
+            axpy(sk + h * D, 1.f, kb.data() + j * D, D);
+            axpy(sv + h * D, 1.f, vb.data() + j * D, D);
+          }
+        }
+        // transpose V so that the coefficients of a row are contiguous
+        for (int64_t j = 0; j < nb; ++j)
+          for (int64_t d = r0; d < r1; ++d) vt[d * NB + j] = vb[j * D + d];
+        for (int64_t d = r0; d < r1; ++d) {
+          float* row = S + d * D;
+          const float* a = vt.data() + d * NB;
+          int64_t j = 0;
+          for (; j + 4 <= nb; j += 4) axpy4(row, a + j, kb.data() + j * D, D);
+          for (; j < nb; ++j) axpy(row, a[j], kb.data() + j * D, D);
+        }
+      }
+    }
+  }
+}
+
+Tensor as_f32_contig(const Tensor& t, bool& copied) {
+  TORCH_CHECK(t.device().is_cpu(), "moments must be CPU tensors");
+  copied = !(t.scalar_type() == torch::kFloat32 && t.is_contiguous());
+  return copied ? t.to(torch::kFloat32).contiguous() : t;
+}
+
+void accumulate_moments(Tensor kc, Tensor vc, Tensor page_ids, Tensor offsets, Tensor head_of_token, Tensor n,
+                        Tensor sum_k, Tensor sum_v, Tensor sum_vk) {
+  check_cache_pair(kc, vc);
+  const int64_t M = page_ids.numel(), D = kc.size(3), Hm = n.numel();
+  TORCH_CHECK(offsets.numel() == M && head_of_token.numel() == M, "index lengths differ");
+  TORCH_CHECK(sum_k.numel() == Hm * D && sum_v.numel() == Hm * D && sum_vk.numel() == Hm * D * D,
+              "moments must be n [H], sum_k [H, D], sum_v [H, D], sum_vk [H, D, D]");
+  if (M == 0) return;
+  Tensor p = as_long(page_ids), o = as_long(offsets), h = as_long(head_of_token);
+  check_slots(p.data_ptr<int64_t>(), o.data_ptr<int64_t>(), M, kc.size(0) * kc.size(1), kc.size(2), "token");
+  const int64_t* hp = h.data_ptr<int64_t>();
+  for (int64_t i = 0; i < M; ++i)
+    TORCH_CHECK(hp[i] >= 0 && hp[i] < Hm, "head_of_token ", hp[i], " outside [0, ", Hm, ")");
+  bool cn, ck, cv, cvk;
+  Tensor n2 = as_f32_contig(n, cn), k2 = as_f32_contig(sum_k, ck), v2 = as_f32_contig(sum_v, cv),
+         vk2 = as_f32_contig(sum_vk, cvk);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kc.scalar_type(), "accumulate_moments", [&] {
+    accumulate_kernel<scalar_t>(kc, vc, p.data_ptr<int64_t>(), o.data_ptr<int64_t>(), hp, M, Hm,
+                                n2.data_ptr<float>(), k2.data_ptr<float>(), v2.data_ptr<float>(),
+                                vk2.data_ptr<float>());
+  });
+  if (cn) n.copy_(n2.view(n.sizes()));
+  if (ck) sum_k.copy_(k2.view(sum_k.sizes()));
+  if (cv) sum_v.copy_(v2.view(sum_v.sizes()));
+  if (cvk) sum_vk.copy_(vk2.view(sum_vk.sizes()));
+}
+
+// -------------------------------------------------------------------------- ragged_decode_attention
+inline float log_add_exp(float a, float b) {
+  const float m = std::max(a, b);
+  if (m == kNegInf) return kNegInf;
+  return m + std::log1p(std::exp(-std::fabs(a - b)));
+}
+
+template <typename T>
+void decode_kernel(const float* q, Cache<T> K, Cache<T> V, int64_t D, const int64_t* pt, int64_t P,
+                   const int64_t* sl, int64_t T_, int64_t H, int64_t G, float scale, const float* mn,
+                   const float* msk, const float* msv, const float* msvk, float* out, float* lse) {
+  const int64_t bs = K.bs;
+#pragma omp parallel
+  {
+    std::vector<float> qs(G * D), acc(G * D), kb(bs * D), vb(4 * D), lg(G * bs), m(G), l(G), tmp(D);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t th = 0; th < T_ * H; ++th) {
+      const int64_t t = th / H, h = th % H;
+      const int64_t L = sl[th];
+      const int64_t qrow = (t * H + h) * G;  // first query row of this KV head's group
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) qs[g * D + d] = q[(qrow + g) * D + d] * scale;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), kNegInf);
+      std::fill(l.begin(), l.end(), 0.f);
+      const int64_t npages = L > 0 ? std::min<int64_t>(P, (L + bs - 1) / bs) : 0;
+      for (int64_t p = 0; p < npages; ++p) {
+        const int64_t page = pt[th * P + p];
+        const int64_t n = std::min(bs, L - p * bs);
+        for (int64_t j = 0; j < n; ++j) load_row(K.row(page, j), K.s3, D, kb.data() + j * D);
+        for (int64_t g = 0; g < G; ++g) {
+          float* lgg = lg.data() + g * bs;
+          int64_t j = 0;
+          for (; j + 4 <= n; j += 4) dot4(qs.data() + g * D, kb.data() + j * D, D, lgg + j);
+          for (; j < n; ++j) lgg[j] = dot(qs.data() + g * D, kb.data() + j * D, D);
+          float mx = kNegInf;
+          for (j = 0; j < n; ++j) mx = std::max(mx, lgg[j]);
+          const float mnew = std::max(m[g], mx);
+          const float alpha = m[g] == kNegInf ? 0.f : std::exp(m[g] - mnew);
+          if (alpha != 1.f) scal(acc.data() + g * D, alpha, D);
+          float s = l[g] * alpha;
+          for (j = 0; j < n; ++j) {
+            lgg[j] = std::exp(lgg[j] - mnew);
+            s += lgg[j];
+          }
+          l[g] = s;
+          m[g] = mnew;
+        }
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) {
+          for (int64_t r = 0; r < 4; ++r) load_row(V.row(page, j + r), V.s3, D, vb.data() + r * D);
+          for (int64_t g = 0; g < G; ++g) axpy4(acc.data() + g * D, lg.data() + g * bs + j, vb.data(), D);
+        }
+        for (; j < n; ++j) {
+          load_row(V.row(page, j), V.s3, D, vb.data());
+          for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, lg[g * bs + j], vb.data(), D);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* o = out + (qrow + g) * D;
+        const float* a = acc.data() + g * D;
+        float lse_r = kNegInf;
+        if (l[g] > 0.f) {
+          const float inv = 1.f / l[g];
+          for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
+          lse_r = m[g] + std::log(l[g]);
+        } else {
+          for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+        }
+        lse[qrow + g] = lse_r;
+      }
+      if (mn == nullptr) continue;
+      // evicted-part estimate (vllm_contour.moments.merge_evicted), fused
+      const float cnt = mn[th];
+      if (!(cnt > 0.f)) continue;
+      const float* Sk = msk + th * D;
+      const float* Sv = msv + th * D;
+      const float* Svk = msvk + th * D * D;
+      const float inv_n = 1.f / cnt, log_n = std::log(cnt);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qs.data() + g * D;  // scaled query
+        const float qsk = dot(qg, Sk, D);     // scale * q . sum_k
+        const float log_ze = log_n + qsk * inv_n;
+        // scale * S~ q = sum_vk (scale q) - sum_v (mu . scale q)
+        for (int64_t d = 0; d < D; ++d) tmp[d] = dot(Svk + d * D, qg, D);
+        float* o = out + (qrow + g) * D;
+        const float lse_r = lse[qrow + g];
+        const float w = lse_r == kNegInf ? 0.f : 1.f / (1.f + std::exp(log_ze - lse_r));
+        const float mu_q = qsk * inv_n;
+        for (int64_t d = 0; d < D; ++d) {
+          const float fe = Sv[d] * inv_n + (tmp[d] - Sv[d] * mu_q) * inv_n;
+          o[d] = w * o[d] + (1.f - w) * fe;
+        }
+        lse[qrow + g] = log_add_exp(lse_r, log_ze);
+      }
+    }
+  }
+}
+
+std::vector<Tensor> ragged_decode_attention(Tensor query, Tensor kc, Tensor vc, Tensor page_table, Tensor seq_lens,
+                                            double scale, c10::optional<Tensor> n, c10::optional<Tensor> sum_k,
+                                            c10::optional<Tensor> sum_v, c10::optional<Tensor> sum_vk) {
+  check_cache_pair(kc, vc);
+  TORCH_CHECK(query.dim() == 3, "query must be [T, Hq, D]");
+  const int64_t T_ = query.size(0), Hq = query.size(1), D = query.size(2);
+  const int64_t H = kc.size(1);
+  TORCH_CHECK(D == kc.size(3), "query and cache head sizes differ");
+  TORCH_CHECK(Hq % H == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(page_table.dim() == 3 && page_table.size(0) == T_ && page_table.size(1) == H,
+              "page_table must be [T, H, P]");
+  TORCH_CHECK(seq_lens.numel() == T_ * H, "seq_lens must be [T, H]");
+  const int64_t P = page_table.size(2);
+  Tensor pt = as_long(page_table), sl = as_long(seq_lens);
+  {
+    const int64_t* s = sl.data_ptr<int64_t>();
+    const int64_t* p = pt.data_ptr<int64_t>();
+    const int64_t pages = kc.size(0) * H, bs = kc.size(2);
+    for (int64_t i = 0; i < T_ * H; ++i) {
+      TORCH_CHECK(s[i] <= P * bs, "seq_lens[", i, "] = ", s[i], " exceeds the page table (", P, " x ", bs, ")");
+      const int64_t np = s[i] > 0 ? (s[i] + bs - 1) / bs : 0;
+      for (int64_t j = 0; j < np; ++j)
+        TORCH_CHECK(p[i * P + j] >= 0 && p[i * P + j] < pages, "page id ", p[i * P + j], " outside the cache");
+    }
+  }
+  Tensor q = query.to(torch::kFloat32).contiguous();
+  Tensor out = torch::empty({T_, Hq, D}, q.options());
+  Tensor lse = torch::empty({T_, Hq}, q.options());
+  const bool has_m = n.has_value();
+  Tensor mn, msk, msv, msvk;
+  if (has_m) {
+    TORCH_CHECK(sum_k.has_value() && sum_v.has_value() && sum_vk.has_value(), "moments need all four tensors");
+    mn = n->to(torch::kFloat32).contiguous();
+    msk = sum_k->to(torch::kFloat32).contiguous();
+    msv = sum_v->to(torch::kFloat32).contiguous();
+    msvk = sum_vk->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(mn.numel() == T_ * H && msk.numel() == T_ * H * D && msv.numel() == T_ * H * D &&
+                    msvk.numel() == T_ * H * D * D,
+                "moments must be n [T, H], sum_k/sum_v [T, H, D], sum_vk [T, H, D, D]");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kc.scalar_type(), "ragged_decode_attention", [&] {
+    decode_kernel<scalar_t>(q.data_ptr<float>(), cache_view<scalar_t>(kc), cache_view<scalar_t>(vc), D,
+                            pt.data_ptr<int64_t>(), P, sl.data_ptr<int64_t>(), T_, H, Hq / H,
+                            static_cast<float>(scale), has_m ? mn.data_ptr<float>() : nullptr,
+                            has_m ? msk.data_ptr<float>() : nullptr, has_m ? msv.data_ptr<float>() : nullptr,
+                            has_m ? msvk.data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                            lse.data_ptr<float>());
+  });
+  return {query.scalar_type() == torch::kFloat32 ? out : out.to(query.scalar_type()), lse};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "vllm-contour CPU kernels (C++/OpenMP)";
+  m.def("compact", &compact, "in-place overlap-safe token compaction", py::call_guard<py::gil_scoped_release>());
+  m.def("accumulate_moments", &accumulate_moments, "add tokens to fp32 moment statistics in place",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("ragged_decode_attention", &ragged_decode_attention, "decode attention over ragged per-head page lists",
+        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("page_table"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("n") = py::none(), py::arg("sum_k") = py::none(), py::arg("sum_v") = py::none(),
+        py::arg("sum_vk") = py::none(), py::call_guard<py::gil_scoped_release>());
+}

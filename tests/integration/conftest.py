@@ -1,0 +1,86 @@
+"""Session-shared vLLM engines. Each engine configuration runs once, in its own subprocess (vLLM cannot
+start two engines in one process), and every test reads its JSON results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+_CACHE: dict[str, dict] = {}
+
+
+def default_model() -> str:
+    from vllm_contour.models import fetch_model
+
+    return str(fetch_model("smollm2", quiet=True))
+
+
+# Shared engine settings: fp32, eager, block 32, a small KV pool (~100 blocks) so memory binds.
+BASE_LLM = dict(dtype="float32", enforce_eager=True, block_size=32, enable_prefix_caching=False,
+                max_model_len=3072, num_gpu_blocks_override=100, max_num_seqs=64, seed=0)
+
+
+def run_engine(name: str, llm_kwargs: dict, scenarios: list[str], env: dict | None = None,
+               tmp_root: Path | None = None, **spec_extra) -> dict:
+    if name in _CACHE:
+        return _CACHE[name]
+    out_dir = Path(tmp_root or os.environ.get("TMPDIR", "/tmp")) / "contour-engines"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = {"llm": llm_kwargs, "scenarios": scenarios, **spec_extra}
+    spec_path = out_dir / f"{name}.spec.json"
+    out_path = out_dir / f"{name}.out.json"
+    log_path = out_dir / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    if out_path.exists():
+        out_path.unlink()
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    with open(log_path, "w") as log:
+        proc = subprocess.run([sys.executable, "-m", "tests.integration.engine_driver", str(spec_path),
+                               str(out_path)], cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                              timeout=900)
+    if proc.returncode != 0 or not out_path.exists():
+        tail = log_path.read_text()[-6000:]
+        raise RuntimeError(f"engine {name} failed (rc {proc.returncode}); log tail:\n{tail}")
+    res = json.loads(out_path.read_text())
+    res["log"] = log_path.read_text()
+    _CACHE[name] = res
+    return res
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    return default_model()
+
+
+@pytest.fixture(scope="session")
+def stock(model_dir):
+    """Stock vLLM: the plugin is not loaded at all (VLLM_PLUGINS allow-list without it)."""
+    return run_engine("stock", dict(BASE_LLM, model=model_dir), ["greedy", "free_blocks", "concurrency"],
+                      env={"VLLM_PLUGINS": "none-allowed"},
+                      free_cases=[[2000, None]])
+
+
+@pytest.fixture(scope="session")
+def plugin_off(model_dir):
+    """Plugin loaded, eviction policy 'none'."""
+    return run_engine("plugin_off", dict(BASE_LLM, model=model_dir,
+                                         additional_config={"kv_eviction": {"policy": "none"}}),
+                      ["greedy"])
+
+
+@pytest.fixture(scope="session")
+def evicting(model_dir):
+    """SnapKV at 128 tokens per head. The greedy scenario overrides the budget per request to keep
+    everything (budget >= prompt), which still runs compaction (a pure permutation) and the ragged path."""
+    return run_engine("snapkv128", dict(BASE_LLM, model=model_dir,
+                                        additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
+                      ["greedy", "free_blocks", "concurrency", "preempt_abort"],
+                      greedy_extra_args={"kv_budget": 100000},
+                      free_cases=[[2000, None], [2000, {"kv_policy": "streaming"}], [1000, {"kv_budget": 256}]])

@@ -1,0 +1,45 @@
+import pytest
+
+from vllm_contour.config import EvictionConfig, EvictionConfigError, request_overrides, resolve_request
+
+
+def test_defaults_off():
+    assert not EvictionConfig().enabled
+    assert not EvictionConfig.from_additional_config(None).enabled
+    assert not EvictionConfig.from_additional_config({"other_plugin": 1}).enabled
+
+
+def test_valid_dict_and_string_numbers():
+    cfg = EvictionConfig.from_dict({"policy": "snapkv", "budget": "64", "recent_window": 16})
+    assert cfg.enabled and cfg.budget == 64 and cfg.recent_window == 16
+
+
+@pytest.mark.parametrize("raw, words", [
+    ({"policy": "nope"}, ["policy", "allowed", "snapkv"]),
+    ({"policy": "snapkv", "budget": 0}, ["budget", ">= 1"]),
+    ({"policy": "snapkv", "budget": -3}, ["budget"]),
+    ({"policy": "snapkv", "budget": 12.5}, ["budget", "integer"]),
+    ({"policy": "snapkv", "budget": "lots"}, ["budget", "integer"]),
+    ({"policy": "snapkv", "budget": True}, ["budget", "integer"]),
+    ({"policy": "snapkv", "bugdet": 3}, ["bugdet", "allowed", "budget"]),
+    ({"policy": "none", "budget": 64}, ["budget", "none"]),
+    ({"budget": 64}, ["budget", "none"]),
+    ({"policy": "snapkv", "recent_window": -1}, ["recent_window"]),
+    ("snapkv", ["JSON object"]),
+])
+def test_invalid_config_names_the_field(raw, words):
+    with pytest.raises(EvictionConfigError) as ei:
+        EvictionConfig.from_dict(raw)
+    for w in words:
+        assert w in str(ei.value)
+
+
+def test_request_overrides():
+    server = EvictionConfig(policy="snapkv", budget=128)
+    r = resolve_request(server, {"kv_budget": 32, "kv_policy": "streaming", "unrelated": 1})
+    assert (r.policy, r.budget) == ("streaming", 32)
+    assert not resolve_request(server, {"kv_policy": "none"}).enabled
+    for bad, word in [({"kv_budget": 0}, "kv_budget"), ({"kv_policy": "x"}, "kv_policy"),
+                      ({"kv_bugdet": 3}, "kv_bugdet")]:
+        with pytest.raises(EvictionConfigError, match=word):
+            request_overrides(bad)

@@ -1,0 +1,96 @@
+"""CLI flags and engine wiring, in-process (vLLM imported, no engine started)."""
+
+import pytest
+
+from vllm_contour.config import EvictionConfigError
+
+
+@pytest.fixture(scope="module")
+def parser():
+    import vllm_contour
+
+    vllm_contour.register()
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+def engine_args(parser, argv):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", "dummy"] + argv))
+
+
+def test_flags_fold_into_additional_config(parser):
+    ea = engine_args(parser, ["--kv-eviction-policy", "snapkv", "--kv-budget", "64", "--kv-recent-window", "16"])
+    assert ea.additional_config["kv_eviction"] == {"policy": "snapkv", "budget": "64", "recent_window": "16"}
+
+
+def test_additional_config_json_and_dotted_forms(parser):
+    ea = engine_args(parser, ["--additional-config", '{"kv_eviction": {"policy": "streaming", "budget": 32}}'])
+    assert ea.additional_config["kv_eviction"]["policy"] == "streaming"
+    ea = engine_args(parser, ["--additional-config.kv_eviction.policy", "knorm"])
+    assert ea.additional_config["kv_eviction"]["policy"] == "knorm"
+
+
+def test_flag_contradicting_additional_config_is_refused(parser):
+    with pytest.raises(EvictionConfigError, match="--kv-budget 64 contradicts"):
+        engine_args(parser, ["--additional-config", '{"kv_eviction": {"policy": "snapkv", "budget": 32}}',
+                             "--kv-budget", "64"])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--kv-eviction-policy", "snapvk"], ["policy", "snapvk", "allowed", "streaming"]),
+    (["--kv-eviction-policy", "snapkv", "--kv-budget", "0"], ["budget", ">= 1"]),
+    (["--kv-eviction-policy", "snapkv", "--kv-budget", "1.5"], ["budget", "integer"]),
+    (["--kv-eviction-policy", "snapkv", "--kv-sink-tokens", "-2"], ["sink_tokens"]),
+    (["--kv-budget", "64"], ["budget", "none"]),
+    (["--additional-config", '{"kv_eviction": {"policy": "snapkv", "bduget": 3}}'], ["bduget", "allowed"]),
+    (["--kv-eviction-policy", "snapkv", "--enable-prefix-caching"], ["--enable-prefix-caching"]),
+    (["--kv-eviction-policy", "snapkv", "--kv-transfer-config",
+      '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}'], ["--kv-transfer-config", "LMCache"]),
+])
+def test_invalid_settings_fail_naming_the_field(parser, argv, words):
+    from vllm_contour.integration.engine_args import prepare_engine_args
+
+    with pytest.raises(EvictionConfigError) as ei:
+        prepare_engine_args(engine_args(parser, argv))
+    for w in words:
+        assert w in str(ei.value)
+
+
+def test_eviction_wires_connector_prefix_caching_and_block_size(parser):
+    from vllm_contour.integration.engine_args import CONNECTOR_NAME, prepare_engine_args
+
+    ea = engine_args(parser, ["--kv-eviction-policy", "snapkv"])
+    cfg = prepare_engine_args(ea)
+    assert cfg.enabled and cfg.budget == 128
+    assert ea.kv_transfer_config.kv_connector == CONNECTOR_NAME
+    assert ea.enable_prefix_caching is False and ea.block_size == 32
+    off = engine_args(parser, [])
+    prepare_engine_args(off)
+    assert off.kv_transfer_config is None and off.enable_prefix_caching is None and off.block_size is None
+
+
+def test_per_request_keys_validated_in_sampling_params(parser):
+    import vllm_contour
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_contour.config import EvictionConfig
+    from vllm_contour.integration import engine_args as ea
+
+    vllm_contour.register()
+    ea.ACTIVE_CONFIG = EvictionConfig(policy="snapkv")
+    SamplingParams(extra_args={"kv_budget": 64, "kv_policy": "streaming", "other": 1})
+    for bad, word in [({"kv_budget": 0}, "kv_budget"), ({"kv_policy": "nope"}, "kv_policy"),
+                      ({"kv_bugdet": 3}, "kv_bugdet")]:
+        with pytest.raises(VLLMValidationError, match=word):
+            SamplingParams(extra_args=bad)
+
+    # A server (or offline LLM) with eviction off refuses per-request eviction keys, except kv_policy=none.
+    ea.ACTIVE_CONFIG = EvictionConfig()
+    with pytest.raises(VLLMValidationError, match="--kv-eviction-policy"):
+        SamplingParams(extra_args={"kv_budget": 64})
+    SamplingParams(extra_args={"kv_policy": "none"})

@@ -1,0 +1,548 @@
+"""Unit tests of the policy library (pure torch, no vLLM): scorers, allocators, selectors, presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_contour.policies import LayerBudget, LayerInputs, Policy, build_policy, policy_help, policy_names
+from vllm_contour.policies.allocators import (AdaKVAllocator, ContourAllocator, PyramidAllocator,
+                                              UniformAllocator, clamp_total, dropped_mass, mass_curve,
+                                              pyramid_schedule, score_mass)
+from vllm_contour.policies.scorers import (ExpectedAttentionScorer, H2OScorer, KeyDiffScorer, KeyNormScorer,
+                                           MomentScorer, RecencyScorer, SnapKVScorer, TOVAScorer,
+                                           window_attention)
+from vllm_contour.policies.selectors import (BalancingSelector, DiversitySelector, TopKSelector,
+                                             normalise_scores, topk_indices)
+from vllm_contour.moments import accumulate, residual_norms
+
+ALL = policy_names()
+QUERY_FREE = [n for n in ALL if not build_policy(n).needs_queries]
+
+
+def make_inp(h=2, hq=4, t=100, d=8, bs=8, region_pages=None, window_end=None, w=6, seed=0, queries=True,
+             layer_idx=0, num_layers=4, positions=True) -> LayerInputs:
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(h, t, d, generator=g)
+    values = torch.randn(h, t, d, generator=g)
+    ce = t if window_end is None else window_end
+    if region_pages is None:
+        region_pages = ce // bs
+    q = torch.randn(hq, w, d, generator=g) * 2 if queries else None
+    qpos = torch.arange(ce - w, ce) if (queries and positions) else None
+    return LayerInputs(keys=keys, values=values, region_len=region_pages * bs, page_size=bs,
+                       layer_idx=layer_idx, num_layers=num_layers, scale=d ** -0.5, queries=q,
+                       query_positions=qpos, window_end=window_end)
+
+
+class ConstScorer:
+    """Test helper: fixed scores."""
+
+    def __init__(self, scores, needs_queries=False):
+        self.scores = scores
+        self.needs_queries = needs_queries
+
+    def score(self, inp):
+        return self.scores.clone()
+
+
+# ----------------------------------------------------------------------------------------- scorers
+def test_window_attention_is_causal_and_drops_question_queries():
+    inp = make_inp(t=40, w=6, window_end=30)
+    # two of the captured queries lie in the question (positions >= window_end): they must be dropped
+    inp.query_positions = torch.tensor([24, 26, 28, 29, 30, 35])
+    attn = window_attention(inp)
+    assert attn.shape == (4, 4, 40)
+    for i, p in enumerate([24, 26, 28, 29]):
+        assert torch.all(attn[:, i, p + 1:] == 0)
+        torch.testing.assert_close(attn[:, i].sum(-1), torch.ones(4))
+
+
+def test_h2o_is_window_mass_gqa_averaged():
+    inp = make_inp(t=48, w=5)
+    q, k = inp.queries, inp.keys
+    want = torch.zeros(2, 48)
+    for hq in range(4):
+        kk = k[hq // 2]
+        for i, p in enumerate(range(43, 48)):
+            logits = (kk[: p + 1] @ q[hq, i]) * inp.scale
+            want[hq // 2, : p + 1] += torch.softmax(logits, 0) / 2
+    torch.testing.assert_close(H2OScorer().score(inp), want[:, : inp.region_len])
+
+
+def test_tova_is_last_query_attention():
+    inp = make_inp(t=48, w=5)
+    inp.query_positions = torch.tensor([43, 44, 47, 45, 46])  # last query is the 3rd row
+    want = torch.zeros(2, 48)
+    for hq in range(4):
+        want[hq // 2] += torch.softmax((inp.keys[hq // 2] @ inp.queries[hq, 2]) * inp.scale, 0) / 2
+    torch.testing.assert_close(TOVAScorer().score(inp), want[:, : inp.region_len])
+
+
+def test_snapkv_scores_unchanged():
+    """The SnapKV scorer must keep its original behaviour (window mass, GQA mean, avg-pool 7)."""
+    inp = make_inp(t=64, w=8)
+    mass = H2OScorer().score(inp)
+    want = F.avg_pool1d(mass.unsqueeze(1), 7, stride=1, padding=3, count_include_pad=False).squeeze(1)
+    torch.testing.assert_close(SnapKVScorer().score(inp), want[:, : inp.region_len])
+
+
+def test_window_scorers_without_context_queries_give_zeros():
+    inp = make_inp(t=40, w=4, window_end=32)
+    inp.query_positions = torch.tensor([33, 34, 35, 36])  # all in the question
+    for s in (H2OScorer(), TOVAScorer(), SnapKVScorer()):
+        assert torch.all(s.score(inp) == 0)
+
+
+def test_keydiff_hand_case():
+    keys = torch.tensor([[[2.0, 0.0], [1.0, 0.0], [0.0, 3.0], [0.0, 1.0]]])  # [1, 4, 2]
+    inp = LayerInputs(keys=keys, values=torch.ones(1, 4, 2), region_len=2, page_size=1, layer_idx=0,
+                      num_layers=1, scale=1.0, window_end=3)
+    # anchor over the context [0, 3): mean of normalised keys = (2/3, 1/3); question key 3 ignored
+    a = torch.tensor([2 / 3, 1 / 3])
+    want = -torch.tensor([a[0] / a.norm(), a[0] / a.norm()])
+    torch.testing.assert_close(KeyDiffScorer().score(inp), want.view(1, 2))
+    inp.region_len = 3
+    s = KeyDiffScorer().score(inp)
+    assert s[0, 2] > s[0, 0]  # the key orthogonal-ish to the anchor is kept first
+    keys[0, 3] = torch.tensor([5.0, -7.0])  # question key: no effect
+    torch.testing.assert_close(KeyDiffScorer().score(inp), s)
+
+
+def test_expected_attention_single_query_is_its_attention():
+    """One captured query: zero covariance, so the score is that query's softmax over the candidates
+    (GQA-averaged) times ||v||."""
+    inp = make_inp(t=40, w=1, window_end=40, bs=8)
+    inp.query_positions = torch.tensor([39])
+    r = inp.region_len
+    want = torch.zeros(2, r)
+    for hq in range(4):
+        want[hq // 2] += torch.softmax(inp.keys[hq // 2, :r] @ inp.queries[hq, 0] * inp.scale, 0) / 2
+    got = ExpectedAttentionScorer(use_vnorm=False).score(inp)
+    torch.testing.assert_close(got, want)
+    got_v = ExpectedAttentionScorer().score(inp)
+    torch.testing.assert_close(got_v, want * inp.values[:, :r].norm(dim=-1))
+
+
+def test_expected_attention_is_gaussian_mgf():
+    """With many Gaussian window queries the closed form matches the Monte-Carlo E[exp(s q.k)] ratios."""
+    g = torch.Generator().manual_seed(3)
+    d, w, t = 4, 20000, 16
+    mu = torch.tensor([0.5, -0.3, 0.2, 0.0])
+    a = torch.randn(d, d, generator=g) * 0.4
+    q = mu + torch.randn(w, d, generator=g) @ a.t()
+    keys = torch.randn(1, t, d, generator=g)
+    inp = LayerInputs(keys=keys, values=torch.ones(1, t, d), region_len=t, page_size=1, layer_idx=0,
+                      num_layers=1, scale=0.5, queries=q.unsqueeze(0), query_positions=torch.full((w,), t - 1))
+    got = ExpectedAttentionScorer(use_vnorm=False).score(inp)[0]
+    mc = torch.exp(0.5 * keys[0] @ q.t()).mean(dim=1)
+    torch.testing.assert_close(got, mc / mc.sum(), rtol=0.03, atol=1e-4)
+
+
+def test_expected_attention_runs_without_queries():
+    inp = make_inp(queries=False)
+    sc = ExpectedAttentionScorer()
+    assert sc.statistics(inp)[2] == "keys"
+    s = sc.score(inp)
+    assert s.shape == (2, inp.region_len) and torch.all(torch.isfinite(s)) and torch.all(s >= 0)
+    inp2 = make_inp()
+    assert sc.statistics(inp2)[2] == "queries"
+
+
+def test_moment_scorer_hand_case():
+    """Identical tokens are represented exactly by the moments (residual 0); the outlier is kept."""
+    h, t, d = 1, 16, 4
+    keys = torch.ones(h, t, d)
+    values = torch.ones(h, t, d)
+    keys[0, 5] = torch.tensor([3.0, -1.0, 0.0, 2.0])
+    values[0, 5] = torch.tensor([-2.0, 4.0, 1.0, 0.0])
+    inp = LayerInputs(keys=keys, values=values, region_len=t, page_size=1, layer_idx=0, num_layers=1,
+                      scale=0.5)
+    sc = MomentScorer(weight=ConstScorer(torch.ones(h, t)), iterate=False)
+    s = sc.score(inp)
+    assert int(s.argmax()) == 5
+    mom = accumulate(keys, values, torch.ones(h, t, dtype=torch.bool))
+    torch.testing.assert_close(s, residual_norms(keys, values, mom, 0.5))
+
+
+def test_moment_scorer_second_pass_uses_evicted_moments():
+    inp = make_inp(h=2, hq=2, t=64, d=4, bs=8)
+    w = torch.rand(2, inp.region_len, generator=torch.Generator().manual_seed(1))
+    inp.budget_pages = 4  # 2 pages = 16 tokens kept per head
+    s1 = MomentScorer(weight=ConstScorer(w), iterate=False).score(inp)
+    s2 = MomentScorer(weight=ConstScorer(w), iterate=True).score(inp)
+    evicted = torch.ones(2, inp.region_len, dtype=torch.bool)
+    for hh in range(2):
+        evicted[hh, topk_indices(s1[hh], 16)] = False
+    k, v = inp.keys[:, : inp.region_len], inp.values[:, : inp.region_len]
+    torch.testing.assert_close(s2, w * residual_norms(k, v, accumulate(k, v, evicted), inp.scale))
+    assert MomentScorer().needs_queries and not MomentScorer(weight=KeyNormScorer()).needs_queries
+
+
+# --------------------------------------------------------------------------------------- allocators
+def _check_alloc(pages, total, floor, h, rp):
+    assert pages.dtype == torch.int64 and pages.shape == (h,)
+    assert int(pages.sum()) == min(max(total, floor * h), rp * h)
+    assert int(pages.min()) >= min(floor, rp) and int(pages.max()) <= rp
+
+
+@pytest.mark.parametrize("alloc", [UniformAllocator(), AdaKVAllocator(), ContourAllocator(),
+                                   ContourAllocator(mix=0.5, power=0.5), PyramidAllocator()])
+def test_allocators_sum_and_bounds(alloc):
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        h, rp, bs = 4, 10, 4
+        inp = make_inp(h=h, hq=h, t=rp * bs + 3, bs=bs, seed=trial)
+        scores = torch.rand(h, rp * bs, generator=g) ** 4
+        if trial % 3 == 0:
+            scores = -scores  # signed scores (key norm style)
+        floor = trial % 3
+        for total in (0, 5, 17, 23, 40, 55):
+            forced = torch.zeros(rp * bs, dtype=torch.bool)
+            forced[: floor * bs] = True
+            pages = alloc.allocate(scores, inp, LayerBudget(total, floor, forced))
+            _check_alloc(pages, total, floor, h, rp)
+
+
+def test_pyramid_schedule_averages_to_base():
+    for base, layers, beta in [(24, 30, 20.0), (7, 5, 2.0), (100, 32, 5.0), (3, 12, 20.0), (16, 1, 20.0)]:
+        s = pyramid_schedule(base, layers, beta)
+        assert int(s.sum()) == base * layers
+        assert torch.all(s[:-1] >= s[1:])  # lower layers get more
+    assert torch.all(pyramid_schedule(24, 8, 1.0) == 24)
+    s = pyramid_schedule(100, 11, 4.0)
+    assert int(s[0]) == 175 and int(s[-1]) == 25  # 2 - 1/beta and 1/beta of the base
+    # bounded by the heads' floors and the region's capacity, the mean stays at the base
+    for base, layers, lo, hi in [(12, 6, 4, 50), (12, 6, 4, 14), (30, 10, 8, 40), (5, 7, 5, 9)]:
+        s = pyramid_schedule(base, layers, 20.0, lo, hi)
+        assert int(s.sum()) == base * layers and int(s.min()) >= lo and int(s.max()) <= hi
+        assert torch.all(s[:-1] >= s[1:])
+    assert pyramid_schedule(3, 6, 20.0, 4, 50).tolist() == [4] * 6  # infeasible: the floor wins
+
+
+def test_pyramid_policy_layer_totals():
+    pol = build_policy("pyramidkv", sink_tokens=4, recent_window=8)
+    base, layers = 12, 6
+    totals = []
+    for layer in range(layers):
+        inp = make_inp(h=2, hq=4, t=200, bs=8, layer_idx=layer, num_layers=layers, seed=layer)
+        sel = pol.plan_layer(inp, base)
+        totals.append(sum(sel.counts()) // 8)
+        assert totals[-1] == pol.layer_total_pages(base, inp)
+    assert sum(totals) == base * layers  # the floor lifts the top layers; the lower layers pay for it
+    assert totals[0] > totals[-1]
+    assert min(totals) == pol.floor_pages(inp) * 2
+
+
+def test_contour_gives_flat_head_more_pages_than_peaked_head():
+    h, rp, bs = 2, 16, 4
+    inp = make_inp(h=h, hq=h, t=rp * bs, bs=bs)
+    peaked = torch.full((rp * bs,), 1e-4)
+    peaked[[3, 10, 20, 30, 41, 50]] = 1.0
+    flat = torch.ones(rp * bs)
+    scores = torch.stack([peaked, flat])
+    pages = ContourAllocator().allocate(scores, inp, LayerBudget(16, 1))
+    assert int(pages[1]) > int(pages[0])
+    assert int(pages[0]) >= 2  # the peaked head still keeps the 2 pages that hold its 6 peaks
+    assert float(dropped_mass(scores, pages, inp)[0]) < 0.01
+    # and the same from the dropped-mass point of view: at the uniform budget the flat head drops more
+    m = dropped_mass(scores, torch.tensor([8, 8]), inp)
+    assert m[1] > m[0]
+    # the whole policy on window scores: flat vs peaked attention
+    assert dropped_mass(scores, pages, inp).sum() < m.sum()
+
+
+def test_contour_greedy_is_optimal_bruteforce():
+    g = torch.Generator().manual_seed(7)
+    h, rp, bs, floor = 3, 6, 2, 1
+    inp = make_inp(h=h, hq=h, t=rp * bs, bs=bs)
+    forced = torch.zeros(rp * bs, dtype=torch.bool)
+    forced[0] = True
+    for trial in range(10):
+        scores = torch.rand(h, rp * bs, generator=g) ** 3
+        mass = score_mass(scores)
+        curve = mass_curve(mass, forced, bs)
+        for total in (4, 8, 12):
+            pages = ContourAllocator().allocate(scores, inp, LayerBudget(total, floor, forced))
+            got = float(sum(curve[i, int(pages[i])] for i in range(h)))
+            best = max(float(sum(curve[i, c[i]] for i in range(h)))
+                       for c in itertools.product(range(floor, rp + 1), repeat=h) if sum(c) == total)
+            assert got == pytest.approx(best, abs=1e-12)
+
+
+def test_contour_ignores_mass_held_by_forced_tokens():
+    """A head whose mass sits in the forced tokens needs no pages beyond the floor."""
+    h, rp, bs = 2, 8, 4
+    inp = make_inp(h=h, hq=h, t=rp * bs, bs=bs)
+    s = torch.full((h, rp * bs), 1e-6)
+    s[0, :4] = 1.0  # head 0: all mass in the sinks
+    s[1] = torch.rand(rp * bs, generator=torch.Generator().manual_seed(0))
+    forced = torch.zeros(rp * bs, dtype=torch.bool)
+    forced[:4] = True
+    pages = ContourAllocator().allocate(s, inp, LayerBudget(8, 1, forced))
+    assert pages.tolist() == [1, 7]
+    # AdaKV counts the sink mass and keeps giving head 0 pages
+    assert int(AdaKVAllocator().allocate(s, inp, LayerBudget(8, 1, forced))[0]) > 1
+
+
+def test_contour_mix():
+    h, rp, bs = 4, 12, 4
+    inp = make_inp(h=h, hq=h, t=rp * bs, bs=bs)
+    s = torch.rand(h, rp * bs, generator=torch.Generator().manual_seed(2)) ** torch.tensor([[1.0], [4.0], [8.0], [16.0]])
+    b = LayerBudget(20, 1)
+    uni = UniformAllocator().allocate(s, inp, b)
+    full = ContourAllocator().allocate(s, inp, b)
+    half = ContourAllocator(mix=0.5).allocate(s, inp, b)
+    assert torch.equal(ContourAllocator(mix=0.0).allocate(s, inp, b), uni)
+    assert not torch.equal(full, uni)
+    assert torch.all((half - uni).abs() <= (full - uni).abs() + 1)
+    with pytest.raises(ValueError):
+        ContourAllocator(mix=1.5)
+
+
+def test_score_mass_handles_signed_and_degenerate_scores():
+    m = score_mass(torch.tensor([[-3.0, -1.0, -2.0], [0.0, 0.0, 0.0], [1.0, float("nan"), 3.0]]))
+    torch.testing.assert_close(m.sum(1), torch.ones(3, dtype=torch.float64))
+    assert m[0].tolist() == [0.0, pytest.approx(2 / 3), pytest.approx(1 / 3)]
+    assert m[1].tolist() == [pytest.approx(1 / 3)] * 3
+    assert m[2].tolist() == [pytest.approx(0.2), pytest.approx(0.2), pytest.approx(0.6)]
+
+
+# ---------------------------------------------------------------------------------------- selectors
+def test_topk_ties_go_to_lower_index():
+    s = torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0])
+    assert topk_indices(s, 2).tolist() == [1, 2]
+    assert topk_indices(s, 9).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_diversity_lambda_zero_is_topk_bit_identical():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(5):
+        inp = make_inp(h=3, hq=3, t=64, bs=4, seed=trial)
+        scores = torch.randint(0, 4, (3, 64), generator=g).to(torch.float32)  # many ties
+        scores[:, :3] = float("inf")
+        scores[1, 10] = float("-inf")
+        pages = torch.tensor([2, 5, 16])
+        a = DiversitySelector(lam=0.0).select(scores, pages, inp)
+        b = TopKSelector().select(scores, pages, inp)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y) and x.dtype == y.dtype
+    # and through whole policies
+    for seed in range(3):
+        inp = make_inp(h=2, hq=4, t=120, bs=8, seed=seed)
+        p0 = build_policy("contour")
+        p1 = build_policy("contour_diverse")
+        p1.selector = DiversitySelector(lam=0.0)
+        for x, y in zip(p0.plan_layer(inp, 6).kept, p1.plan_layer(inp, 6).kept):
+            assert torch.equal(x, y)
+
+
+def test_diversity_skips_duplicates():
+    # token 0 and 1 have identical values (signature), token 2 is orthogonal with a slightly lower score
+    values = torch.zeros(2, 4, 2)
+    values[:, 0] = torch.tensor([1.0, 0.0])
+    values[:, 1] = torch.tensor([1.0, 0.0])
+    values[:, 2] = torch.tensor([0.0, 1.0])
+    values[:, 3] = torch.tensor([-1.0, 0.2])
+    inp = LayerInputs(keys=torch.randn(2, 4, 2), values=values, region_len=4, page_size=1, layer_idx=0,
+                      num_layers=1, scale=1.0)
+    scores = torch.tensor([[1.0, 0.95, 0.9, 0.0], [5.0, 4.5, 4.0, 0.0]])  # scale-free: same picks per head
+    pages = torch.tensor([2, 2])
+    assert [k.tolist() for k in TopKSelector().select(scores, pages, inp)] == [[0, 1], [0, 1]]
+    assert [k.tolist() for k in DiversitySelector(lam=0.5).select(scores, pages, inp)] == [[0, 2], [0, 2]]
+    # forced tokens come first, whatever their similarity
+    forced = scores.clone()
+    forced[:, 1] = float("inf")
+    got = DiversitySelector(lam=0.5).select(forced, torch.tensor([1, 3]), inp)
+    assert got[0].tolist() == [1] and got[1].tolist() == [0, 1, 2]
+
+
+def test_normalise_scores():
+    n = normalise_scores(torch.tensor([[-4.0, -2.0, float("inf"), float("-inf")], [1.0, 1.0, 1.0, 1.0]]))
+    assert n[0].tolist() == [0.0, 1.0, float("inf"), -1.0]
+    assert n[1].tolist() == [0.0] * 4
+
+
+def _output_error(inp, kept, r):
+    attn = window_attention(inp)
+    err = 0.0
+    for h in range(inp.num_kv_heads):
+        a = attn[2 * h:2 * h + 2].reshape(-1, attn.shape[-1])
+        v = inp.values[h]
+        keep = torch.zeros(a.shape[1], dtype=torch.bool)
+        keep[r:] = True
+        keep[kept[h]] = True
+        o = a @ v
+        ok = (a[:, keep] @ v[keep]) / a[:, keep].sum(1, keepdim=True)
+        err += float((o - ok).norm(dim=-1).sum())
+    return err
+
+
+def test_balancing_reduces_output_error_and_keeps_forced():
+    inp = make_inp(h=2, hq=4, t=72, bs=4, w=8, seed=5)
+    pol = Policy("bal", H2OScorer(), UniformAllocator(), BalancingSelector(max_swaps=20, pool=8),
+                 sink_tokens=2, recent_window=4)
+    base = Policy("top", H2OScorer(), UniformAllocator(), TopKSelector(), sink_tokens=2, recent_window=4)
+    assert pol.needs_queries
+    sb = pol.plan_layer(inp, 8)
+    st = base.plan_layer(inp, 8)
+    r = inp.region_len
+    assert _output_error(inp, sb.kept, r) <= _output_error(inp, st.kept, r) + 1e-5
+    forced = pol.forced_mask(inp)
+    for k in sb.kept:
+        assert set(torch.nonzero(forced).squeeze(1).tolist()) <= set(k.tolist())
+    # without queries it is top-k
+    inp.queries = None
+    scores = torch.rand(2, r)
+    assert all(torch.equal(a, b) for a, b in zip(BalancingSelector().select(scores, torch.tensor([2, 3]), inp),
+                                                 TopKSelector().select(scores, torch.tensor([2, 3]), inp)))
+
+
+# ------------------------------------------------------------------------------------------ presets
+def test_presets_have_one_line_help():
+    helps = policy_help()
+    for name in ["snapkv", "pyramidkv", "adakv", "h2o", "tova", "streaming", "knorm", "keydiff",
+                 "expected_attention", "contour", "contour_knorm", "contour_diverse", "moment"]:
+        assert name in helps and helps[name] and "\n" not in helps[name]
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        build_policy("nope")
+    assert set(QUERY_FREE) >= {"streaming", "knorm", "keydiff", "expected_attention"}
+
+
+def _check_selection(pol, inp, sel, total):
+    bs, rp = inp.page_size, inp.num_region_pages
+    forced = torch.nonzero(pol.forced_mask(inp)).squeeze(1)
+    floor = pol.floor_pages(inp)
+    counts = sel.counts()
+    assert len(counts) == inp.num_kv_heads
+    for k in sel.kept:
+        assert k.dtype == torch.int64
+        assert k.numel() % bs == 0 and k.numel() // bs >= floor
+        assert torch.all(k[1:] > k[:-1]) and (k.numel() == 0 or (int(k[0]) >= 0 and int(k[-1]) < inp.region_len))
+        assert torch.isin(forced, k).all()
+    want = min(max(pol.layer_total_pages(total, inp), floor * inp.num_kv_heads), rp * inp.num_kv_heads)
+    assert sum(counts) == want * bs
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_preset_invariants(name):
+    pol = build_policy(name, sink_tokens=4, recent_window=12)
+    for seed, (t, bs, total, window_end) in enumerate([(150, 8, 10, None), (97, 4, 30, None),
+                                                        (130, 8, 7, 112), (64, 16, 2, None)]):
+        inp = make_inp(h=2, hq=4, t=t, bs=bs, window_end=window_end, seed=seed, layer_idx=seed % 4)
+        sel = pol.plan_layer(inp, total)
+        _check_selection(pol, inp, sel, total)
+        # a budget at least the region keeps everything
+        sel = pol.plan_layer(inp, 1000)
+        for k in sel.kept:
+            assert torch.equal(k, torch.arange(inp.region_len))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_preset_queries_required_or_optional(name):
+    pol = build_policy(name, sink_tokens=4, recent_window=12)
+    inp = make_inp(h=2, hq=4, t=150, bs=8, queries=False)
+    if pol.needs_queries:
+        with pytest.raises(ValueError, match="queries"):
+            pol.plan_layer(inp, 10)
+    else:
+        _check_selection(pol, inp, pol.plan_layer(inp, 10), 10)
+    # without explicit query positions the window is the last W context tokens
+    inp = make_inp(h=2, hq=4, t=150, bs=8, positions=False)
+    _check_selection(pol, inp, pol.plan_layer(inp, 10), 10)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_preset_ignores_question_tokens(name):
+    """Query-agnostic mode: keys, values and queries of the question (positions >= window_end) must not
+    change the kept set."""
+    pol = build_policy(name, sink_tokens=4, recent_window=12)
+    t, we = 160, 120
+    base = make_inp(h=2, hq=4, t=t, bs=8, window_end=we, w=6, seed=11)
+    sel = pol.plan_layer(base, 9)
+    g = torch.Generator().manual_seed(99)
+    k2, v2 = base.keys.clone(), base.values.clone()
+    k2[:, we:] = torch.randn(2, t - we, 8, generator=g) * 5
+    v2[:, we:] = torch.randn(2, t - we, 8, generator=g) * 5
+    q_question = torch.randn(4, 5, 8, generator=g) * 3
+    alt = LayerInputs(keys=k2, values=v2, region_len=base.region_len, page_size=8, layer_idx=0, num_layers=4,
+                      scale=base.scale, queries=torch.cat([base.queries, q_question], dim=1),
+                      query_positions=torch.cat([base.query_positions, torch.arange(we, we + 5)]),
+                      window_end=we)
+    sel2 = pol.plan_layer(alt, 9)
+    for a, b in zip(sel.kept, sel2.kept):
+        assert torch.equal(a, b)
+    if not pol.needs_queries:  # query-free: the same holds without any captured queries
+        plain = [dataclasses.replace(x, queries=None, query_positions=None) for x in (base, alt)]
+        a, b = pol.plan_layer(plain[0], 9), pol.plan_layer(plain[1], 9)
+        assert all(torch.equal(x, y) for x, y in zip(a.kept, b.kept))
+
+
+def test_snapkv_and_adakv_are_identical_and_adaptive():
+    """snapkv keeps AdaKV-style head budgets; adakv is the same policy under another name."""
+    inp = make_inp(h=2, hq=2, t=200, bs=8, w=8, seed=1)
+    # head 0: window queries point at 3 tokens (peaked); head 1: tiny queries (flat attention)
+    inp.queries[0] = inp.keys[0, [20, 60, 100]].repeat(3, 1)[:8] * 6
+    inp.queries[1] *= 0.01
+    a = build_policy("snapkv").plan_layer(inp, 12)
+    b = build_policy("adakv").plan_layer(inp, 12)
+    assert all(torch.equal(x, y) for x, y in zip(a.kept, b.kept))
+    assert a.counts()[0] != a.counts()[1]
+    assert build_policy("snapkv").name == "snapkv" and build_policy("adakv").name == "adakv"
+
+
+def test_contour_policy_flat_vs_peaked_heads():
+    inp = make_inp(h=2, hq=2, t=200, bs=8, w=8, seed=1)
+    inp.queries[0] = inp.keys[0, [20, 60, 100]].repeat(3, 1)[:8] * 20
+    inp.queries[1] *= 0.01
+    c = build_policy("contour", sink_tokens=4, recent_window=8).plan_layer(inp, 12).counts()
+    assert c[1] > c[0]
+
+
+def test_streaming_keeps_sinks_and_most_recent():
+    pol = build_policy("streaming", sink_tokens=4, recent_window=8)
+    inp = make_inp(h=2, hq=2, t=100, bs=4, queries=False)
+    sel = pol.plan_layer(inp, 6)  # 3 pages per head = 12 tokens: 4 sinks + recent region tokens
+    r = inp.region_len
+    assert sel.kept[0].tolist() == [0, 1, 2, 3] + list(range(r - 8, r))
+
+
+def test_knorm_scorer_and_recency_unchanged():
+    inp = make_inp(t=40, bs=8)
+    torch.testing.assert_close(KeyNormScorer().score(inp), -inp.keys[:, :40].norm(dim=-1))
+    assert RecencyScorer().score(inp)[1].tolist() == list(range(40))
+
+
+def test_layer_with_no_full_page():
+    pol = build_policy("contour")
+    inp = make_inp(t=5, bs=8, w=3)
+    assert inp.region_len == 0
+    assert pol.plan_layer(inp, 4).counts() == [0, 0]
+
+
+def test_gqa_mismatch_is_reported():
+    inp = make_inp(h=2, hq=3)
+    with pytest.raises(ValueError, match="grouped"):
+        H2OScorer().score(inp)
+
+
+def test_budget_hint_passed_to_scorer():
+    seen = {}
+
+    class Spy:
+        needs_queries = False
+
+        def score(self, inp):
+            seen["budget"] = inp.budget_pages
+            return torch.zeros(inp.num_kv_heads, inp.region_len)
+
+    pol = Policy("spy", Spy(), PyramidAllocator(beta=3.0), TopKSelector(), sink_tokens=0, recent_window=0)
+    inp = make_inp(h=2, hq=2, t=160, bs=8, layer_idx=0, num_layers=4, queries=False)
+    pol.plan_layer(inp, 10)
+    assert seen["budget"] == int(pyramid_schedule(10, 4, 3.0, 2, 40)[0]) and seen["budget"] > 10
+    assert math.isclose(float(pyramid_schedule(10, 4, 3.0).float().mean()), 10.0)

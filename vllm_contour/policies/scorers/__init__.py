@@ -1,0 +1,16 @@
+"""Scorers: per (head, token) importance of the compactable region ``[H, region_len]``. Higher = keep.
+One file per method."""
+
+from .common import avg_pool, gqa_mean, window_attention, window_mass, window_queries
+from .expected_attention import ExpectedAttentionScorer
+from .h2o import H2OScorer, TopMassScorer
+from .keydiff import KeyDiffScorer
+from .knorm import KeyNormScorer
+from .moment import MomentScorer
+from .recency import RecencyScorer
+from .snapkv import SnapKVScorer
+from .tova import TOVAScorer
+
+__all__ = ["avg_pool", "gqa_mean", "window_attention", "window_mass", "window_queries",
+           "ExpectedAttentionScorer", "H2OScorer", "TopMassScorer", "KeyDiffScorer", "KeyNormScorer",
+           "MomentScorer", "RecencyScorer", "SnapKVScorer", "TOVAScorer"]

@@ -1,0 +1,85 @@
+"""Helpers shared by the scorers: the observation window, window attention, GQA averaging, pooling.
+
+Query-agnostic contract: everything here looks only at the scoring context ``[0, context_end)``.
+Captured queries whose absolute position is at or after ``context_end`` (question tokens in
+query-agnostic mode) are dropped, and a query at position ``p`` only sees keys ``0..p``, so keys and
+values of the question can never change a score.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..base import LayerInputs
+
+
+def window_queries(inp: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The captured window queries that lie inside the scoring context, as fp32 ``[Hq, W', D]``, and
+    their absolute positions ``[W']`` (int64). Without ``query_positions`` the ``W`` queries are taken
+    to be the last ``W`` tokens before ``context_end``. Raises when no queries were captured."""
+    if inp.queries is None:
+        raise ValueError("this scorer needs the observation-window queries, but none were captured")
+    q = inp.queries
+    w = q.shape[1]
+    ce = inp.context_end
+    if inp.query_positions is not None:
+        pos = inp.query_positions.to(torch.int64).reshape(-1).cpu()
+        if pos.numel() != w:
+            raise ValueError(f"query_positions has {pos.numel()} entries for {w} window queries")
+    else:
+        pos = torch.arange(ce - w, ce, dtype=torch.int64)
+    keep = pos < ce
+    if not bool(keep.all()):
+        q = q[:, keep.to(q.device)]
+        pos = pos[keep]
+    return q.to(torch.float32), pos
+
+
+def gqa_groups(num_q_heads: int, num_kv_heads: int) -> int:
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_q_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
+    return num_q_heads // num_kv_heads
+
+
+def gqa_mean(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Average ``[Hq, ...]`` over the query heads of each GQA group -> ``[H, ...]``."""
+    g = gqa_groups(x.shape[0], num_kv_heads)
+    return x.reshape(num_kv_heads, g, *x.shape[1:]).mean(dim=1)
+
+
+def window_attention(inp: LayerInputs) -> torch.Tensor:
+    """Softmax attention ``[Hq, W', T]`` of the captured window queries (those before ``context_end``)
+    over all prompt keys, causal by absolute position (a query at position p sees keys 0..p), fp32.
+    ``W'`` may be 0 when every captured query lies after the context end."""
+    q, qpos = window_queries(inp)  # [Hq, W, D]
+    hq, w, _ = q.shape
+    h = inp.num_kv_heads
+    g = gqa_groups(hq, h)
+    k = inp.keys.to(torch.float32)  # [H, T, D]
+    t = k.shape[1]
+    if w == 0:
+        return torch.zeros(hq, 0, t)
+    k = k.repeat_interleave(g, dim=0)  # [Hq, T, D]
+    logits = torch.matmul(q, k.transpose(1, 2)) * inp.scale  # [Hq, W, T]
+    kpos = torch.arange(t).view(1, 1, t)
+    logits = logits.masked_fill(kpos > qpos.view(1, w, 1), float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def window_mass(inp: LayerInputs) -> torch.Tensor:
+    """Attention mass ``[H, region_len]`` the window queries pay to each candidate: summed over the
+    window, averaged over the query heads of a GQA group. Zeros when the window is empty."""
+    attn = window_attention(inp)  # [Hq, W, T]
+    mass = gqa_mean(attn.sum(dim=1), inp.num_kv_heads)  # [H, T]
+    return mass[:, : inp.region_len]
+
+
+def avg_pool(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """1-D average pool along tokens (``[H, N]``), same length, padding excluded from the mean."""
+    if kernel_size <= 1:
+        return scores
+    n = scores.shape[1]
+    pad = kernel_size // 2
+    return F.avg_pool1d(scores.unsqueeze(1), kernel_size, stride=1, padding=pad,
+                        count_include_pad=False).squeeze(1)[:, :n]

@@ -1,0 +1,27 @@
+"""KeyDiff: keep keys that differ from the mean key direction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..base import LayerInputs
+
+
+@dataclass
+class KeyDiffScorer:
+    """KeyDiff (Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM
+    Inference in Resource-Constrained Environments", 2025). Query-agnostic: per KV head the anchor is
+    the mean of the L2-normalised keys of the scoring context ``[0, context_end)`` (never the question),
+    and a token's score is minus the cosine similarity of its key to the anchor, so keys that are
+    dissimilar to the average direction are kept (as kvpress's KeyDiffPress)."""
+
+    needs_queries: bool = False
+
+    def score(self, inp: LayerInputs) -> torch.Tensor:
+        ctx = inp.context_len if inp.context_len > 0 else inp.region_len
+        anchor = F.normalize(inp.keys[:, :ctx].to(torch.float32), p=2, dim=-1).mean(dim=1, keepdim=True)
+        cand = inp.keys[:, : inp.region_len].to(torch.float32)
+        return -F.cosine_similarity(cand, anchor, dim=-1)

@@ -1,0 +1,60 @@
+"""MomentKV scorer: attention weight x how badly the moment closed form would represent the token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ...moments import accumulate, residual_norms
+from ..base import LayerInputs, Scorer
+from .h2o import H2OScorer
+
+
+@dataclass
+class MomentScorer:
+    """MomentKV scorer (this project; the decode-time correction is in ``vllm_contour/moments.py``).
+
+    Evicted tokens are not lost entirely: their first two moments (n, sum k, sum v, sum v k^T) feed a
+    closed-form first-order estimate of their attention output at decode time. A token is therefore
+    worth keeping when (a) it gets attention and (b) the closed form would represent it badly:
+
+        score_j = w_j * ||r_j||,   r_j = v_j - v_bar - scale * S~ k_j / n      (moments.residual_norms)
+
+    with ``w_j`` the ``weight`` scorer (default: window-attention mass accumulated over the captured
+    window, ``H2OScorer``; any non-negative attention-like scorer works, negative scores are clipped
+    to 0) and the moments taken over "the evicted set".
+
+    Estimating the evicted set: pass 1 uses the moments of all candidates of the scoring context
+    (cheap first estimate). With ``iterate`` and a known layer budget (``LayerInputs.budget_pages``,
+    filled in by ``Policy.plan_layer``), pass 2 takes the tokens a uniform top-k of the pass-1 scores
+    would evict (``budget_pages // H`` pages per head; forced tokens are not known to the scorer and
+    are ignored here), recomputes their moments and the residuals, and returns the pass-2 scores.
+    Cost: two ``O(H * N * D^2)`` moment/residual passes per layer.
+    """
+
+    weight: Scorer = field(default_factory=H2OScorer)
+    iterate: bool = True
+
+    @property
+    def needs_queries(self) -> bool:
+        return bool(getattr(self.weight, "needs_queries", False))
+
+    def score(self, inp: LayerInputs) -> torch.Tensor:
+        h, r = inp.num_kv_heads, inp.region_len
+        w = self.weight.score(inp).to(torch.float32).nan_to_num(0.0, 0.0, 0.0).clamp_min(0.0)
+        keys = inp.keys[:, :r]
+        values = inp.values[:, :r]
+        in_ctx = torch.arange(r) < (inp.context_len or r)
+        mask = in_ctx.unsqueeze(0).expand(h, r)
+        score = w * residual_norms(keys, values, accumulate(keys, values, mask), inp.scale)
+        if self.iterate and inp.budget_pages is not None:
+            keep = (int(inp.budget_pages) // h) * inp.page_size
+            if 0 < keep < r:
+                order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :keep]
+                evicted = mask.clone()
+                evicted.scatter_(1, order, False)
+                if bool(evicted.any()):
+                    mom = accumulate(keys, values, evicted)
+                    score = w * residual_norms(keys, values, mom, inp.scale)
+        return score

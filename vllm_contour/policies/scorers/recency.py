@@ -1,0 +1,22 @@
+"""StreamingLLM recency scorer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..base import LayerInputs
+
+
+@dataclass
+class RecencyScorer:
+    """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024):
+    keep the attention sinks and the most recent tokens. The sinks and the recent window are forced by
+    the policy; beyond them, newer tokens score higher."""
+
+    needs_queries: bool = False
+
+    def score(self, inp: LayerInputs) -> torch.Tensor:
+        pos = torch.arange(inp.region_len, dtype=torch.float32)
+        return pos.unsqueeze(0).expand(inp.num_kv_heads, -1).clone()

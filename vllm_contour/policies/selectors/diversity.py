@@ -1,0 +1,81 @@
+"""Diversity-aware greedy selection (score minus redundancy with what is already kept)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..base import LayerInputs
+from .common import topk_indices
+from .topk import TopKSelector
+
+
+def normalise_scores(scores: torch.Tensor) -> torch.Tensor:
+    """Per head min-max normalisation of the finite scores to [0, 1] (a head with one distinct finite
+    value maps to 0). ``+inf`` (forced) stays ``+inf``; ``-inf``/NaN become -1 (below every finite
+    score, still selectable when nothing else is left)."""
+    s = scores.to(torch.float32)
+    finite = torch.isfinite(s)
+    hi = torch.where(finite, s, torch.full_like(s, -float("inf"))).max(dim=1, keepdim=True).values
+    lo = torch.where(finite, s, torch.full_like(s, float("inf"))).min(dim=1, keepdim=True).values
+    span = (hi - lo)
+    ok = torch.isfinite(span) & (span > 0)
+    norm = torch.where(ok, (s - lo) / torch.where(ok, span, torch.ones_like(span)), torch.zeros_like(s))
+    norm = torch.where(finite, norm, torch.full_like(s, -1.0))
+    return torch.where(torch.isposinf(s), s, norm)
+
+
+@dataclass
+class DiversitySelector:
+    """Greedy diversity-aware selection (maximal marginal relevance, Carbonell & Goldstein, SIGIR 1998,
+    applied to KV tokens; this project's ContourKV variant).
+
+    Per head the forced tokens (score ``+inf``: sinks, recent window) are taken first; then, one token at
+    a time, the next pick maximises ``score_norm_j - lam * max_{i kept} cos(sig_j, sig_i)`` where the
+    signature of token j is the layer's values averaged over its KV heads (``values[:, j].mean(0)``),
+    L2-normalised, so near-duplicate tokens are not kept twice. Scores live on different scales per head
+    (attention mass, -||k||, ...), so they are min-max normalised to [0, 1] per head over the finite
+    scores before the penalty is subtracted (``lam`` is then in units of "the head's full score range").
+    With an empty kept set the penalty is 0. Ties go to the lower token index, like top-k.
+
+    ``lam == 0`` short-circuits to ``TopKSelector`` (bit-identical indices, including ties; the greedy
+    on normalised scores could merge nearly equal scores into ties). Cost: ``O(k * H * N * D)`` per
+    layer (one ``[H, N]`` similarity update per pick), much slower than top-k for large budgets.
+    """
+
+    lam: float = 0.5
+
+    def select(self, scores: torch.Tensor, pages: torch.Tensor, inp: LayerInputs) -> list[torch.Tensor]:
+        if self.lam == 0:
+            return TopKSelector().select(scores, pages, inp)
+        h, r = scores.shape
+        bs = inp.page_size
+        ks = [min(int(pages[i]) * bs, r) for i in range(h)]
+        sig = F.normalize(inp.values[:, :r].to(torch.float32).mean(dim=0), p=2, dim=-1)  # [R, D]
+        norm = normalise_scores(scores)
+        forced = torch.isposinf(norm)
+        kept = torch.zeros(h, r, dtype=torch.bool)
+        need = torch.zeros(h, dtype=torch.int64)
+        maxsim = torch.zeros(h, r)
+        for i in range(h):
+            nf = int(forced[i].sum())
+            if ks[i] <= nf or ks[i] >= r:
+                kept[i, topk_indices(scores[i], ks[i])] = True
+                continue
+            kept[i] = forced[i]
+            need[i] = ks[i] - nf
+            if nf > 0:
+                maxsim[i] = (sig[forced[i]] @ sig.t()).max(dim=0).values
+        neg_inf = torch.tensor(-float("inf"))
+        while bool((need > 0).any()):
+            active = need > 0
+            obj = torch.where(kept, neg_inf, norm - self.lam * maxsim)
+            pick = torch.argmax(obj, dim=1)  # first maximum -> lower index on ties
+            rows = torch.nonzero(active).squeeze(1)
+            kept[rows, pick[rows]] = True
+            need[rows] -= 1
+            sim = sig[pick[rows]] @ sig.t()  # [A, R]
+            maxsim[rows] = torch.maximum(maxsim[rows], sim)
+        return [torch.nonzero(kept[i]).squeeze(1).to(torch.int64) for i in range(h)]
