@@ -68,6 +68,8 @@ class EvictionConfig:
     recent_window: most recent prompt tokens every head keeps (recency floor).
     sink_tokens: first tokens every head keeps (attention sinks).
     window: observation window (last prompt queries) that query-aware scorers look at.
+    moment_correction: keep MomentKV statistics of the evicted tokens (stored in the request's own
+        head-pages and counted against the budget) and correct decode attention with them.
     """
 
     policy: str = "none"
@@ -75,6 +77,7 @@ class EvictionConfig:
     recent_window: int = 32
     sink_tokens: int = 4
     window: int = 32
+    moment_correction: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -102,6 +105,8 @@ class EvictionConfig:
         for name, minimum in (("budget", 1), ("recent_window", 0), ("sink_tokens", 0), ("window", 1)):
             if name in raw:
                 kw[name] = _check_int(f"{source}.{name}", raw[name], minimum)
+        if "moment_correction" in raw:
+            kw["moment_correction"] = _check_bool(f"{source}.moment_correction", raw["moment_correction"])
         cfg = cls(**kw)
         if not cfg.enabled:
             extra = sorted(k for k in raw if k != "policy")
@@ -129,6 +134,10 @@ REQUEST_KEYS = {
     "kv_budget": "budget",
     "kv_recent_window": "recent_window",
     "kv_sink_tokens": "sink_tokens",
+    "kv_moment_correction": "moment_correction",
+    # Query-agnostic mode: the first kv_context_len prompt tokens are context (compressed before the
+    # question is seen); the rest is the question, kept dense and never scored.
+    "kv_context_len": "context_len",
 }
 
 
@@ -141,6 +150,8 @@ class RequestEviction:
     recent_window: int
     sink_tokens: int
     window: int
+    moment_correction: bool = False
+    context_len: int | None = None
 
     @property
     def enabled(self) -> bool:
@@ -162,8 +173,10 @@ def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
         field = REQUEST_KEYS[key]
         if field == "policy":
             out[field] = check_policy(key, value)
+        elif field == "moment_correction":
+            out[field] = _check_bool(key, value)
         else:
-            out[field] = _check_int(key, value, 1 if field == "budget" else 0)
+            out[field] = _check_int(key, value, 1 if field in ("budget", "context_len") else 0)
     return out
 
 

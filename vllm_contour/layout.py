@@ -25,6 +25,7 @@ class RequestLayout:
     pages: torch.Tensor  # [L, H] int32 head-pages kept per head
     page_ids: torch.Tensor  # [L, H, max_pages] int32 physical head-page ids (padded with the first)
     block_ids: list[int]  # physical ids of blocks [0, K)
+    moment_page_ids: torch.Tensor | None = None  # [L, M] int32 head-pages holding MomentKV statistics
 
     @property
     def num_layers(self) -> int:
@@ -44,28 +45,30 @@ class RequestLayout:
         return int(self.pages.sum())
 
 
-def kept_blocks_for(pages: torch.Tensor, num_kv_heads: int) -> int:
-    """K = max over layers of ceil(sum_h pages / H), at least 1."""
-    per_layer = pages.to(torch.int64).sum(dim=1)
+def kept_blocks_for(pages: torch.Tensor, num_kv_heads: int, moment_pages: int = 0) -> int:
+    """K = max over layers of ceil((sum_h pages + moment pages) / H), at least 1."""
+    per_layer = pages.to(torch.int64).sum(dim=1) + moment_pages
     return max(1, int(((per_layer + num_kv_heads - 1) // num_kv_heads).max()))
 
 
 def plan_layout(pages: torch.Tensor, block_ids: list[int], block_size: int, num_kv_heads: int,
-                region_blocks: int) -> RequestLayout:
+                region_blocks: int, moment_pages: int = 0) -> RequestLayout:
     """Assign head-page slots for every (layer, head). ``block_ids`` are the request's physical block
-    ids in logical order (at least the first ``region_blocks``)."""
+    ids in logical order (at least the first ``region_blocks``). ``moment_pages`` extra slots per layer
+    (after the token pages) hold the layer's moment statistics."""
     pages = pages.to(torch.int64)
     num_layers, h = pages.shape
     if h != num_kv_heads:
         raise ValueError(f"pages has {h} heads, cache has {num_kv_heads}")
     if int(pages.max()) > region_blocks:
         raise ValueError("a head cannot keep more pages than the compacted region holds")
-    k = kept_blocks_for(pages, num_kv_heads)
+    k = kept_blocks_for(pages, num_kv_heads, moment_pages)
     if k > region_blocks:
         raise ValueError(f"layout needs {k} blocks but the region has only {region_blocks}")
     blocks = torch.tensor(block_ids[:k], dtype=torch.int64)
     max_pages = max(1, int(pages.max()))
     page_ids = torch.empty((num_layers, h, max_pages), dtype=torch.int64)
+    moment_ids = torch.empty((num_layers, max(moment_pages, 0)), dtype=torch.int64)
     for layer in range(num_layers):
         slot = 0
         for head in range(h):
@@ -75,9 +78,13 @@ def plan_layout(pages: torch.Tensor, block_ids: list[int], block_size: int, num_
             page_ids[layer, head, :p] = ids
             page_ids[layer, head, p:] = ids[0] if p > 0 else blocks[0] * num_kv_heads
             slot += p
+        if moment_pages:
+            slots = torch.arange(slot, slot + moment_pages)
+            moment_ids[layer] = blocks[slots // num_kv_heads] * num_kv_heads + slots % num_kv_heads
     return RequestLayout(num_kv_heads=num_kv_heads, block_size=block_size, region_blocks=region_blocks,
                          kept_blocks=k, pages=pages.to(torch.int32), page_ids=page_ids.to(torch.int32),
-                         block_ids=[int(b) for b in block_ids[:k]])
+                         block_ids=[int(b) for b in block_ids[:k]],
+                         moment_page_ids=moment_ids.to(torch.int32) if moment_pages else None)
 
 
 def compaction_indices(kept: list[torch.Tensor], page_ids: torch.Tensor, block_ids: list[int],

@@ -103,3 +103,34 @@ def residual_norms(keys: torch.Tensor, values: torch.Tensor, mom: Moments, scale
     pred = vbar.unsqueeze(1) + torch.einsum("hde,hne->hnd", s_tilde, keys.to(torch.float32)) * (
         scale / n.view(-1, 1, 1))
     return (values.to(torch.float32) - pred).norm(dim=-1)
+
+
+def packed_len(num_heads: int, d: int) -> int:
+    """fp32 elements of one layer's packed moments (all its KV heads)."""
+    return num_heads * (1 + 2 * d + d * d)
+
+
+def pack(mom: Moments) -> torch.Tensor:
+    """Moments with leading dim [H] -> one flat fp32 vector ``[n | sum_k | sum_v | sum_vk]``."""
+    return torch.cat([mom.n.reshape(-1), mom.sum_k.reshape(-1), mom.sum_v.reshape(-1),
+                      mom.sum_vk.reshape(-1)]).to(torch.float32)
+
+
+def unpack(flat: torch.Tensor, num_heads: int, d: int) -> dict[str, torch.Tensor]:
+    """Inverse of ``pack`` with extra leading dims: ``flat [..., packed_len]`` -> dict of ``[..., H, ...]``."""
+    lead = flat.shape[:-1]
+    h = num_heads
+    o = 0
+    n = flat[..., o : o + h].reshape(*lead, h)
+    o += h
+    sk = flat[..., o : o + h * d].reshape(*lead, h, d)
+    o += h * d
+    sv = flat[..., o : o + h * d].reshape(*lead, h, d)
+    o += h * d
+    svk = flat[..., o : o + h * d * d].reshape(*lead, h, d, d)
+    return {"n": n, "sum_k": sk, "sum_v": sv, "sum_vk": svk}
+
+
+def pages_needed(num_heads: int, d: int, page_bytes: int) -> int:
+    """Head-pages one layer's moments occupy."""
+    return -(-packed_len(num_heads, d) * 4 // page_bytes)

@@ -43,3 +43,14 @@ def test_request_overrides():
                       ({"kv_bugdet": 3}, "kv_bugdet")]:
         with pytest.raises(EvictionConfigError, match=word):
             request_overrides(bad)
+
+
+def test_request_context_len_and_moments():
+    server = EvictionConfig(policy="snapkv")
+    r = resolve_request(server, {"kv_context_len": 1000, "kv_moment_correction": True})
+    assert r.context_len == 1000 and r.moment_correction
+    with pytest.raises(EvictionConfigError, match="kv_context_len"):
+        request_overrides({"kv_context_len": 0})
+    with pytest.raises(EvictionConfigError, match="kv_moment_correction"):
+        request_overrides({"kv_moment_correction": "maybe"})
+    assert EvictionConfig.from_dict({"policy": "knorm", "moment_correction": True}).moment_correction

@@ -145,3 +145,58 @@ def test_evict_request_budget_above_prompt_is_a_permutation():
             ks, _ = _explicit_kv(k1, k1, tab[layer, head], int(sl[layer, head]), bs, h)
             orig = k0[block_ids].permute(1, 0, 2, 3).reshape(h, -1, d)[head]
             assert torch.equal(ks, orig)
+
+
+def test_moment_pages_are_counted_and_round_trip():
+    from vllm_contour import moments as mm
+    from vllm_contour.evictor import moment_pages_for, read_moments
+
+    h, bs, d, nb, layers = 3, 32, 64, 60, 2
+    caches = [cpu_cache(nb, h, bs, d, seed=s)[1:] for s in range(layers)]
+    num_tokens = 24 * bs
+    block_ids = list(range(10, 34))
+    keys0 = [k[block_ids].permute(1, 0, 2, 3).reshape(h, -1, d).clone() for k, _ in caches]
+    vals0 = [v[block_ids].permute(1, 0, 2, 3).reshape(h, -1, d).clone() for _, v in caches]
+    base = EvictionConfig(policy="knorm", budget=256, recent_window=8, sink_tokens=2)
+    plain = evict_request([(k.clone(), v.clone()) for k, v in caches], block_ids, num_tokens,
+                          resolve_request(base, None), scale=d ** -0.5).layout
+    params = resolve_request(base, {"kv_moment_correction": True})
+    lay = evict_request(caches, block_ids, num_tokens, params, scale=d ** -0.5).layout
+    m = moment_pages_for(h, d, bs, 4)
+    assert m == 4 and lay.moment_page_ids.shape == (layers, m)
+    # the statistics take pages from the same budget: token pages + moment pages = plain token pages
+    assert (lay.pages.sum(dim=1) + m == plain.pages.sum(dim=1)).all()
+    for layer, (kc, vc) in enumerate(caches):
+        got = read_moments(kc, lay.moment_page_ids[layer], h, d)
+        evicted = torch.ones(h, num_tokens, dtype=torch.bool)
+        tab, sl = decode_page_table(lay, [], 0)
+        for hh in range(h):
+            ks, _ = _explicit_kv(kc, vc, tab[layer, hh], int(sl[layer, hh]), bs, h)
+            # kept keys are exactly original tokens; mark them
+            for row in ks:
+                j = int(((keys0[layer][hh] - row).abs().sum(-1) == 0).nonzero()[0])
+                evicted[hh, j] = False
+        want = mm.accumulate(keys0[layer], vals0[layer], evicted)
+        torch.testing.assert_close(got["n"], want.n)
+        torch.testing.assert_close(got["sum_vk"], want.sum_vk)
+
+
+def test_query_agnostic_keeps_question_dense_and_ignores_it():
+    h, bs, d, nb = 2, 16, 32, 40
+    num_tokens, ctx = 20 * bs + 7, 15 * bs + 3
+    block_ids = list(range(1, 22))
+    params = resolve_request(EvictionConfig(policy="keydiff", budget=64), {"kv_context_len": ctx})
+    a = [cpu_cache(nb, h, bs, d, seed=s)[1:] for s in range(2)]
+    b = [(k.clone(), v.clone()) for k, v in a]
+    # change the question tokens' keys in copy b: the kept set must not change
+    for k, v in b:
+        for t in range(ctx, num_tokens):
+            k[block_ids[t // bs], :, t % bs] += 5.0
+    la = evict_request(a, block_ids, num_tokens, params, scale=d ** -0.5).layout
+    lb = evict_request(b, block_ids, num_tokens, params, scale=d ** -0.5).layout
+    assert la.region_blocks == ctx // bs == 15
+    assert torch.equal(la.pages, lb.pages) and torch.equal(la.page_ids, lb.page_ids)
+    for (ka, _), (kb, _) in zip(a, b):
+        for blk in block_ids[:la.kept_blocks]:
+            # packed runs hold the same context tokens (question keys differ only in the tail blocks)
+            assert torch.equal(ka[blk], kb[blk])

@@ -17,6 +17,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm_contour import ops
 from vllm_contour.config import EvictionConfig
 from vllm_contour.integration.state import CaptureRows, DecodeRows, worker_state
+from vllm_contour.evictor import read_moments
 from vllm_contour.layout import decode_page_table
 from vllm_contour.ops.cpu_layout import cpu_kv_views, detect_key_layout
 
@@ -60,7 +61,7 @@ class ContourCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         n = cm.num_reqs
         decode_rows = None
         capture = None
-        if st.compacted or st.evict_now:
+        if st.compacted or st.key_to_capture:
             first_blocks = cm.block_table_tensor[:n, 0].tolist()
             qsl = cm.query_start_loc_cpu if hasattr(cm, "query_start_loc_cpu") else cm.query_start_loc
             qsl = qsl[: n + 1].tolist()
@@ -71,11 +72,13 @@ class ContourCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 if req_id is not None:
                     rows.append((r, req_id))
                     continue
-                req_id = st.key_to_evict.get(key)
-                if req_id is not None:
+                cap = st.key_to_capture.get(key)
+                if cap is not None:
                     q_len = qsl[r + 1] - qsl[r]
-                    w = min(st.window, q_len)
-                    entries.append((req_id, qsl[r + 1] - w, w, seq_lens[r] - w))
+                    first_pos = seq_lens[r] - q_len  # positions of this row: [first_pos, seq_len)
+                    a, b = max(cap.start, first_pos), min(cap.end, seq_lens[r])
+                    if a < b:
+                        entries.append((cap.req_id, qsl[r] + (a - first_pos), b - a, a))
             if entries:
                 capture = CaptureRows(entries)
             if rows:
@@ -116,8 +119,23 @@ class ContourCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             page_table[:, i, :, : t.shape[2]] = t
             if t.shape[2] < width:  # pad with a valid page id (masked by seq_lens)
                 page_table[:, i, :, t.shape[2]:] = t[:, :, :1]
+        moment_pages = has_moments = None
+        lays = [st.compacted[req_id].layout for _, req_id in rows]
+        if any(lay.moment_page_ids is not None for lay in lays):
+            m = max(lay.moment_page_ids.shape[1] for lay in lays if lay.moment_page_ids is not None)
+            moment_pages = torch.zeros((num_layers, len(rows), m), dtype=torch.int32)
+            has_moments = torch.zeros(len(rows), dtype=torch.bool)
+            for i, lay in enumerate(lays):
+                if lay.moment_page_ids is None:
+                    moment_pages[:, i] = page_table[:, i, 0, :1]
+                else:
+                    mp = lay.moment_page_ids
+                    moment_pages[:, i, : mp.shape[1]] = mp
+                    moment_pages[:, i, mp.shape[1]:] = mp[:, :1]
+                    has_moments[i] = True
         return DecodeRows(rows=torch.tensor(row_idx), token_idx=torch.tensor(tok_idx),
-                          page_table=page_table, seq_lens=torch.stack(lens, dim=1))
+                          page_table=page_table, seq_lens=torch.stack(lens, dim=1),
+                          moment_pages=moment_pages, has_moments=has_moments)
 
 
 class ContourCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -139,14 +157,22 @@ class ContourCPUAttentionImpl(CPUAttentionBackendImpl):
                 cap = st.captures.get(req_id)
                 if cap is None:
                     continue
-                cap.queries[layer_idx] = q3[start : start + n].permute(1, 0, 2).clone()
-                if cap.positions is None:
-                    cap.positions = torch.arange(pos0, pos0 + n)
+                cap.queries.setdefault(layer_idx, []).append(q3[start : start + n].permute(1, 0, 2).clone())
+                if layer_idx == 0:
+                    cap.positions.append(torch.arange(pos0, pos0 + n))
         if decode is not None:
             key_cache, value_cache = layer_kv_views(kv_cache)
             q = q3[decode.token_idx]
+            moments = None
+            if decode.moment_pages is not None:
+                h = key_cache.shape[1]
+                moments = read_moments(key_cache, decode.moment_pages[layer_idx], h, self.head_size)
+                keep = decode.has_moments
+                moments = {k: torch.where(keep.view(-1, *([1] * (v.dim() - 1))), v, torch.zeros_like(v))
+                           for k, v in moments.items()}
             o, _ = ops.ragged_decode_attention(q, key_cache, value_cache, decode.page_table[layer_idx],
-                                               decode.seq_lens[layer_idx], self.scale, native=True)
+                                               decode.seq_lens[layer_idx], self.scale, moments=moments,
+                                               native=True)
             out3 = output.view(output.shape[0], self.num_heads, self.head_size)
             out3[decode.token_idx] = o.to(out3.dtype)
         return out

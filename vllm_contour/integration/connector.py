@@ -25,7 +25,8 @@ from vllm.logger import init_logger
 
 from vllm_contour.config import EvictionConfig, resolve_request
 from vllm_contour.evictor import evict_request
-from vllm_contour.integration.state import Compacted, EvictItem, worker_state
+from vllm_contour.integration.state import CaptureItem, Compacted, EvictItem, worker_state
+from vllm_contour.policies import build_policy
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -33,12 +34,13 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.contour")
 
 
 @dataclass
 class ContourMetadata(KVConnectorMetadata):
     evict: list[EvictItem] = field(default_factory=list)
+    capture: list[CaptureItem] = field(default_factory=list)
     dropped: set[str] = field(default_factory=set)
 
 
@@ -94,6 +96,8 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
         # scheduler side
         self._requests: dict[str, "Request"] = {}
         self._handled: set[str] = set()
+        self._params: dict[str, Any] = {}
+        self._needs_queries: dict[str, bool] = {}
         self.stats = EvictionStats()
         # worker side
         self._layer_caches: list[tuple[str, torch.Tensor]] = []
@@ -114,6 +118,18 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
         # (Re)admitted from the waiting queue: a resumed request re-prefills and is evicted again.
         self._handled.discard(request.request_id)
 
+    def _request_params(self, req: "Request"):
+        p = self._params.get(req.request_id)
+        if p is None:
+            p = resolve_request(self.config, req.sampling_params.extra_args if req.sampling_params else None)
+            self._params[req.request_id] = p
+        return p
+
+    def _policy_needs_queries(self, name: str) -> bool:
+        if name not in self._needs_queries:
+            self._needs_queries[name] = build_policy(name).needs_queries
+        return self._needs_queries[name]
+
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         dropped = set(scheduler_output.finished_req_ids or ())
         dropped |= set(scheduler_output.preempted_req_ids or ())
@@ -121,7 +137,9 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._handled.discard(req_id)
             if req_id in scheduler_output.finished_req_ids:
                 self._requests.pop(req_id, None)
+                self._params.pop(req_id, None)
         items: list[EvictItem] = []
+        captures: list[CaptureItem] = []
         scheduled = [r.req_id for r in scheduler_output.scheduled_new_reqs]
         scheduled += list(scheduler_output.scheduled_cached_reqs.req_ids)
         for req_id in scheduled:
@@ -131,18 +149,26 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
             if req is None:
                 continue
             n_sched = scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            done = req.num_computed_tokens + n_sched
-            if req.num_computed_tokens < req.num_tokens <= done:
+            start, done = req.num_computed_tokens, req.num_computed_tokens + n_sched
+            params = self._request_params(req)
+            if not params.enabled:
+                if start < req.num_tokens <= done:
+                    self._handled.add(req_id)
+                continue
+            block_ids = None
+            window_end = min(req.num_tokens, params.context_len or req.num_tokens)
+            w_start = max(0, window_end - params.window)
+            if self._policy_needs_queries(params.policy) and start < window_end and done > w_start:
+                block_ids = list(self._kv_cache_manager.get_block_ids(req_id)[0])
+                captures.append(CaptureItem(req_id, block_ids[0], w_start, window_end))
+            if start < req.num_tokens <= done:
                 # This step writes the KV of the last prompt (catch-up) token.
                 self._handled.add(req_id)
-                params = resolve_request(self.config, req.sampling_params.extra_args
-                                         if req.sampling_params is not None else None)
-                if not params.enabled:
-                    continue
-                block_ids = list(self._kv_cache_manager.get_block_ids(req_id)[0])
+                if block_ids is None:
+                    block_ids = list(self._kv_cache_manager.get_block_ids(req_id)[0])
                 items.append(EvictItem(req_id=req_id, block_ids=block_ids, num_tokens=req.num_tokens,
                                        params=params))
-        return ContourMetadata(evict=items, dropped=dropped)
+        return ContourMetadata(evict=items, capture=captures, dropped=dropped)
 
     def update_connector_output(self, connector_output) -> None:
         report = connector_output.kv_connector_worker_meta
@@ -170,6 +196,7 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
+        self._params.pop(request.request_id, None)
         self._handled.discard(request.request_id)
         return False, None
 
@@ -193,7 +220,8 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
         assert isinstance(kv_connector_metadata, ContourMetadata)
-        worker_state().begin_step(kv_connector_metadata.evict, kv_connector_metadata.dropped)
+        md = kv_connector_metadata
+        worker_state().begin_step(md.evict, md.capture, md.dropped)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return None
@@ -225,8 +253,8 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
         for req_id, item in list(st.evict_now.items()):
             cap = st.captures.get(req_id)
             res = evict_request(views, item.block_ids, item.num_tokens, item.params, self._layer_scale(),
-                                queries=cap.queries if cap else None,
-                                query_positions=cap.positions if cap else None)
+                                queries=cap.layer_queries() if cap else None,
+                                query_positions=cap.all_positions() if cap else None)
             st.captures.pop(req_id, None)
             if res is None:
                 continue
@@ -237,7 +265,7 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.timers["compact_s"] += res.seconds_compact
             self.timers["evictions"] += 1
         st.evict_now = {}
-        st.key_to_evict = {}
+        st.key_to_capture = {}
 
     def build_connector_worker_meta(self):
         if not self._report:

@@ -83,7 +83,7 @@ def prepare_engine_args(engine_args) -> EvictionConfig:
     global ACTIVE_CONFIG
     from vllm.logger import init_logger
 
-    logger = init_logger("vllm_contour")
+    logger = init_logger("vllm.contour")
     cfg = EvictionConfig.from_additional_config(engine_args.additional_config)
     if cfg.enabled:
         # Normalise (e.g. "128" -> 128) so every process sees the same validated values.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 
 _REGISTERED = False
 
@@ -48,7 +49,7 @@ def register() -> None:
         return
     from vllm.logger import init_logger
 
-    logger = init_logger("vllm_contour")
+    logger = init_logger("vllm.contour")
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -61,5 +62,11 @@ def register() -> None:
     patch_engine_args()
     _patch_sampling_params()
     _REGISTERED = True
-    logger.info("vllm-contour plugin registered (pid %d, process %s)", os.getpid(),
-                multiprocessing.current_process().name)
+    msg = "vllm-contour plugin registered (pid %d, process %s)" % (os.getpid(),
+                                                                     multiprocessing.current_process().name)
+    import logging
+
+    if logging.getLogger("vllm").handlers:
+        logger.info(msg)
+    else:  # vLLM configures its log handlers after plugins load in the API-server process
+        sys.stderr.write(f"INFO [vllm_contour] {msg}\n")

@@ -32,11 +32,28 @@ class EvictItem:
 
 
 @dataclass
-class Capture:
-    """Window queries captured during the final prefill chunk: layer index -> [Hq, W, D] (+ positions)."""
+class CaptureItem:
+    """Scheduler -> worker: this step's chunk of the request covers part of its observation window
+    ``[start, end)`` (absolute positions); copy those queries in every layer."""
 
-    queries: dict[int, torch.Tensor] = field(default_factory=dict)
-    positions: torch.Tensor | None = None
+    req_id: str
+    key_block: int
+    start: int
+    end: int
+
+
+@dataclass
+class Capture:
+    """Window queries of one request, accumulated over prefill chunks: layer -> list of [Hq, w, D]."""
+
+    queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    positions: list[torch.Tensor] = field(default_factory=list)
+
+    def layer_queries(self) -> dict[int, torch.Tensor]:
+        return {layer: torch.cat(qs, dim=1) for layer, qs in self.queries.items()}
+
+    def all_positions(self) -> torch.Tensor | None:
+        return torch.cat(self.positions) if self.positions else None
 
 
 @dataclass
@@ -55,6 +72,8 @@ class DecodeRows:
     token_idx: torch.Tensor  # [R] query token index of each row
     page_table: torch.Tensor  # [L, R, H, P] int32 head-page ids
     seq_lens: torch.Tensor  # [L, R, H] int32
+    moment_pages: torch.Tensor | None = None  # [L, R, M] int32 (rows without moments: any valid page)
+    has_moments: torch.Tensor | None = None  # [R] bool
 
 
 @dataclass
@@ -68,7 +87,7 @@ class WorkerState:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.evict_now: dict[str, EvictItem] = {}
-        self.key_to_evict: dict[int, str] = {}
+        self.key_to_capture: dict[int, CaptureItem] = {}
         self.captures: dict[str, Capture] = {}
         self.compacted: dict[str, Compacted] = {}
         self.key_to_req: dict[int, str] = {}
@@ -80,21 +99,21 @@ class WorkerState:
         if c is not None and self.key_to_req.get(c.key_block) == req_id:
             del self.key_to_req[c.key_block]
         self.captures.pop(req_id, None)
-        item = self.evict_now.pop(req_id, None)
-        if item is not None and item.block_ids:
-            self.key_to_evict.pop(item.block_ids[0], None)
+        self.evict_now.pop(req_id, None)
 
-    def begin_step(self, items: list[EvictItem], dropped: set[str]) -> None:
+    def begin_step(self, items: list[EvictItem], captures: list[CaptureItem], dropped: set[str]) -> None:
         for req_id in dropped:
             self.drop(req_id)
         self.evict_now = {it.req_id: it for it in items}
-        self.key_to_evict = {it.block_ids[0]: it.req_id for it in items if it.block_ids}
+        self.key_to_capture = {c.key_block: c for c in captures}
+        for c in captures:
+            if c.req_id not in self.captures:
+                self.captures[c.req_id] = Capture()
         for it in items:
             # A request re-evicted after preemption starts from scratch.
             old = self.compacted.pop(it.req_id, None)
             if old is not None:
                 self.key_to_req.pop(old.key_block, None)
-            self.captures[it.req_id] = Capture()
 
     def add_compacted(self, c: Compacted) -> None:
         self.compacted[c.req_id] = c

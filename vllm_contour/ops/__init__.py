@@ -1,6 +1,12 @@
-"""One dispatch per op. Implementations: ``torch`` (reference, always), ``vllm_cpu`` (vLLM's own CPU
-attention kernel driven with one pseudo-request per (token, KV head); decode without moments only),
-and those registered by the C++ / Triton modules when they are available.
+"""One dispatch per op. Implementations, best first:
+
+* ``cpp`` — the C++/OpenMP CPU kernels ``vllm_contour._C`` (built at install by setup.py; registered only
+  when the compiled module imports, see ``cpu_ext``),
+* ``triton`` — the Triton kernels of the top-level ``triton_ops`` package, for CUDA tensors (imported
+  lazily the first time a CUDA tensor reaches an op),
+* ``vllm_cpu`` — vLLM's own CPU attention kernel driven with one pseudo-request per (token, KV head);
+  decode without moments or lse only,
+* ``torch`` — the reference (always).
 
 Choose explicitly with ``impl=...`` or, for debugging, ``VLLM_CONTOUR_OPS_IMPL=torch``.
 """
@@ -10,11 +16,13 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from .reference import compact_ref, dense_attention_ref, ragged_decode_attention_ref
+from .reference import (accumulate_moments_ref, compact_ref, dense_attention_ref,
+                        ragged_decode_attention_ref)
 
 # op -> list of (name, fn, supports(device_type, **kw) -> bool), in priority order (best first)
 _IMPLS: dict[str, list[tuple[str, Callable, Callable[..., bool]]]] = {
     "compact": [],
+    "accumulate_moments": [],
     "ragged_decode_attention": [],
 }
 
@@ -27,14 +35,34 @@ def register_impl(op: str, name: str, fn: Callable, supports: Callable[..., bool
 
 
 register_impl("compact", "torch", compact_ref, lambda dev, **kw: True)
+register_impl("accumulate_moments", "torch", accumulate_moments_ref, lambda dev, **kw: True)
 register_impl("ragged_decode_attention", "torch", ragged_decode_attention_ref, lambda dev, **kw: True)
+
+_TRITON_TRIED = False
+
+
+def _load_triton() -> None:
+    """Register the Triton implementations the first time a CUDA tensor is seen (importing Triton is slow
+    and useless on CPU)."""
+    global _TRITON_TRIED
+    if _TRITON_TRIED:
+        return
+    _TRITON_TRIED = True
+    try:
+        from . import triton_impl  # noqa: F401
+    except ImportError:
+        pass
 
 
 def available(op: str, device_type: str = "cpu", **kw) -> list[str]:
+    if device_type == "cuda":
+        _load_triton()
     return [name for name, _, ok in _IMPLS[op] if ok(device_type, **kw)]
 
 
 def _pick(op: str, impl: str | None, device_type: str, **kw) -> Callable:
+    if device_type == "cuda":
+        _load_triton()
     impl = impl or os.environ.get("VLLM_CONTOUR_OPS_IMPL") or None
     for name, fn, ok in _IMPLS[op]:
         if impl is not None and name != impl:
@@ -48,25 +76,40 @@ def _pick(op: str, impl: str | None, device_type: str, **kw) -> Callable:
 
 
 def compact(key_cache, value_cache, src_page, src_off, dst_page, dst_off, impl: str | None = None):
-    fn = _pick("compact", impl, key_cache.device.type)
+    """Move tokens ``(src_page, src_off) -> (dst_page, dst_off)`` of K and V in place (overlap-safe)."""
+    fn = _pick("compact", impl, key_cache.device.type, key_cache=key_cache, value_cache=value_cache)
     return fn(key_cache, value_cache, src_page, src_off, dst_page, dst_off)
 
 
+def accumulate_moments(key_cache, value_cache, page_ids, offsets, head_of_token, moments: dict,
+                       impl: str | None = None):
+    """Add the tokens ``(page_ids, offsets)`` to the fp32 moments (``n [H]``, ``sum_k [H, D]``,
+    ``sum_v [H, D]``, ``sum_vk [H, D, D]``) of KV head ``head_of_token``, in place. Returns ``moments``."""
+    fn = _pick("accumulate_moments", impl, key_cache.device.type, key_cache=key_cache,
+               value_cache=value_cache)
+    fn(key_cache, value_cache, page_ids, offsets, head_of_token, moments)
+    return moments
+
+
 def ragged_decode_attention(query, key_cache, value_cache, page_table, seq_lens, scale, moments=None,
-                            impl: str | None = None, need_lse: bool = False, native: bool = False, **extra):
+                            impl: str | None = None, need_lse: bool = False, **extra):
     """Returns ``(out, lse)``; implementations without a log-sum-exp return ``lse=None`` and are only
-    picked when ``need_lse`` is False. ``native=True`` says the caches are vLLM's own CPU layout (views
-    from ``cpu_layout.cpu_kv_views``), which vLLM's kernel can read directly."""
+    picked when ``need_lse`` is False. ``extra`` keywords (e.g. ``native=True``: the caches are views of
+    vLLM's own CPU cache, which its kernel may read) go to the ``supports`` checks and the implementation.
+    ``moments`` (dict ``n [T, H]``, ``sum_k``/``sum_v [T, H, D]``, ``sum_vk [T, H, D, D]``) mixes in the
+    evicted part as ``vllm_contour.moments.merge_evicted`` defines."""
     fn = _pick("ragged_decode_attention", impl, key_cache.device.type, moments=moments is not None,
-               need_lse=need_lse, key_cache=key_cache, value_cache=value_cache, native=native)
+               need_lse=need_lse, key_cache=key_cache, value_cache=value_cache, **extra)
     return fn(query, key_cache, value_cache, page_table, seq_lens, scale, moments=moments, **extra)
 
 
-# Optional implementations register themselves on import.
+# Optional implementations register themselves on import (the later registration ranks first).
 try:  # vLLM's CPU kernel (only importable where vLLM's CPU build is installed)
     from . import vllm_cpu as _vllm_cpu  # noqa: F401
 except ImportError:
     pass
 
-__all__ = ["compact", "ragged_decode_attention", "register_impl", "available", "compact_ref",
-           "ragged_decode_attention_ref", "dense_attention_ref"]
+from . import cpu_ext as _cpu_ext  # noqa: E402,F401  (registers "cpp" when vllm_contour._C imports)
+
+__all__ = ["compact", "accumulate_moments", "ragged_decode_attention", "register_impl", "available",
+           "compact_ref", "accumulate_moments_ref", "ragged_decode_attention_ref", "dense_attention_ref"]

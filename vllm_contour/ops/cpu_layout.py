@@ -62,3 +62,13 @@ def detect_key_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: i
             return layout
     raise RuntimeError(f"kv_eviction: unknown key layout of vLLM's CPU cache for isa={isa} dtype={dtype} "
                        f"block_size={block_size} head_dim={head_dim}; eviction cannot run on it")
+
+
+def raw_pages(key_cache: torch.Tensor) -> torch.Tensor:
+    """``[B*H, page_elems]`` view of whole head-pages (keys + values) in vLLM's CPU layout, where every
+    head-page is one contiguous run of ``2*bs*D`` elements starting at the key view's page base."""
+    nb, h, bs, d = key_cache.shape
+    s1 = key_cache.stride(1)
+    if key_cache.stride(0) != h * s1 or s1 != 2 * bs * d:
+        raise ValueError("head-pages are not contiguous in this cache layout")
+    return key_cache.as_strided((nb * h, 2 * bs * d), (s1, 1), key_cache.storage_offset())

@@ -36,7 +36,7 @@ def compact_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, src_page: to
 
 def ragged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                 page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                moments=None):
+                                moments=None, **_):
     """Decode attention over per-head ragged page lists.
 
     query ``[T, Hq, D]`` (one token per row); ``page_table [T, H, P]`` head-page ids, ``seq_lens [T, H]``
@@ -60,13 +60,36 @@ def ragged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, va
     valid = torch.arange(p * bs).view(1, 1, -1) < seq_lens.to(torch.int64).unsqueeze(-1)  # [T, H, N]
     logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [T, H, G]
-    probs = torch.exp(logits - lse.unsqueeze(-1))
+    # an empty list (seq_len 0) gives out = 0, lse = -inf (not NaN)
+    probs = torch.exp(logits - lse.unsqueeze(-1)).nan_to_num(0.0)
     out = torch.einsum("thgn,thnd->thgd", probs, v)
     if moments is not None:
         from vllm_contour.moments import merge_evicted
 
         out, lse = merge_evicted(out, lse, q, moments, scale)
     return out.reshape(t, hq, d).to(query.dtype), lse.reshape(t, hq)
+
+
+def accumulate_moments_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, page_ids: torch.Tensor,
+                           offsets: torch.Tensor, head_of_token: torch.Tensor, moments: dict) -> dict:
+    """Add tokens (head-page id, offset) to the fp32 moments of KV head ``head_of_token`` in place:
+    ``n [H] += 1``, ``sum_k [H, D] += k``, ``sum_v [H, D] += v``, ``sum_vk [H, D, D] += v k^T`` (row: value
+    dim). Returns ``moments``."""
+    if page_ids.numel() == 0:
+        return moments
+    h = key_cache.shape[1]
+    blk, lane = _split(page_ids.reshape(-1), h)
+    off = offsets.reshape(-1).to(torch.int64)
+    k = key_cache[blk, lane, off].to(torch.float32)  # [M, D]
+    v = value_cache[blk, lane, off].to(torch.float32)
+    hd = head_of_token.reshape(-1).to(torch.int64)
+    moments["n"].index_add_(0, hd, torch.ones(hd.numel(), dtype=moments["n"].dtype, device=hd.device))
+    moments["sum_k"].index_add_(0, hd, k.to(moments["sum_k"].dtype))
+    moments["sum_v"].index_add_(0, hd, v.to(moments["sum_v"].dtype))
+    for head in hd.unique().tolist():
+        sel = hd == head
+        moments["sum_vk"][head] += v[sel].T @ k[sel]
+    return moments
 
 
 def dense_attention_ref(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float):

@@ -3,6 +3,13 @@
 Presets whose components all have ``needs_queries=False`` (streaming, knorm, keydiff,
 expected_attention) run without captured queries. Every preset ignores the question tokens (those at
 or after ``window_end``) in query-agnostic mode.
+
+ContourKV scorer choice. ``contour`` uses SnapKV window scores for both the head allocation and the
+ranking (the mass signal the allocation is built on). On the small default model (SmolLM2-135M,
+/work/shared/notes/anchors.md) key norm ranks needles far better than window attention, so
+``contour_knorm`` keeps the mass-based allocation (window attention decides HOW MANY pages a head
+gets) but ranks tokens inside each head by key norm (WHICH tokens it keeps); it is the variant to try
+first on that model. ``snapkv`` and ``adakv`` are the same policy (SnapKV scores + AdaKV head budgets).
 """
 
 from __future__ import annotations
