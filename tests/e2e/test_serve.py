@@ -119,7 +119,7 @@ def test_plugin_loaded_in_api_server_engine_core_and_worker(server):
 
 
 def test_help_lists_flags_and_policies():
-    out = subprocess.run([str(BIN / "vllm-contour"), "serve", "--help=KV eviction (vllm-contour)"],
+    out = subprocess.run([str(BIN / "vllm-contour"), "serve", "--help=KVEviction"],
                          capture_output=True, text=True, timeout=180)
     text = out.stdout + out.stderr
     for word in ("--kv-eviction-policy", "--kv-budget", "--kv-recent-window", "--kv-sink-tokens", "snapkv",

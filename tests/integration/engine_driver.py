@@ -91,7 +91,8 @@ def run_free_blocks(llm, spec, res):
         while engine.has_unfinished_requests():
             engine.step()
             trace.append(_free(llm))
-            c = worker_state().compacted.get(rid)
+            # vLLM appends a suffix to request ids internally
+            c = next((v for k, v in worker_state().compacted.items() if k.split("-")[0] == rid), None)
             if c is not None and layout is None:
                 layout = {"K": c.layout.kept_blocks, "E": c.layout.region_blocks,
                           "pages": c.layout.pages.tolist(), "counts": c.layout.counts.tolist()}
@@ -170,7 +171,37 @@ def run_preempt_abort(llm, spec, res):
     }
 
 
-SCENARIOS = {"greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
+def run_presets(llm, spec, res):
+    """Every preset, one short request each, query-aware and query-agnostic, moments off and on."""
+    from vllm import SamplingParams
+
+    from vllm_contour.policies import policy_names
+
+    tok = llm.get_tokenizer()
+    question = tok.encode(" Question: what did the river pass? Answer:", add_special_tokens=False)
+    ctx = _text_prompts(tok, [420], 21)[0]
+    prompt = ctx + question
+    engine = llm.llm_engine
+    variants = []
+    for name in policy_names():
+        variants.append((name, {"kv_policy": name, "kv_budget": 96}))
+        variants.append((name + "/agnostic", {"kv_policy": name, "kv_budget": 96, "kv_context_len": len(ctx)}))
+    for name in spec.get("moment_presets", ["snapkv", "knorm"]):
+        variants.append((name + "/moments", {"kv_policy": name, "kv_budget": 256, "kv_moment_correction": True}))
+    for i, (label, extra) in enumerate(variants):
+        engine.add_request(f"preset{i}", {"prompt_token_ids": prompt},
+                           SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args=extra))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+    res["presets"] = {label: outs.get(f"preset{i}") for i, (label, _) in enumerate(variants)}
+    conn = _core(llm).scheduler.connector
+    res["presets_evicted"] = conn.stats.evicted_requests
+
+
+SCENARIOS = {"presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
              "preempt_abort": run_preempt_abort}
 
 

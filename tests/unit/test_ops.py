@@ -7,7 +7,6 @@ The C++ kernels come from the installed ``vllm_contour._C``, else they are JIT-c
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 
@@ -111,10 +110,6 @@ def test_accumulate_moments_matches_moments_module(cpp):
 
 
 # -------------------------------------------------------------------------- ragged_decode_attention
-def _decode_impls():
-    return ["cpp", "vllm_cpu"]
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_moments", [False, True])

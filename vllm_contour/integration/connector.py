@@ -25,6 +25,7 @@ from vllm.logger import init_logger
 
 from vllm_contour.config import EvictionConfig, resolve_request
 from vllm_contour.evictor import evict_request
+from vllm_contour.integration.metrics import ContourPromMetrics, ContourStats
 from vllm_contour.integration.state import CaptureItem, Compacted, EvictItem, worker_state
 from vllm_contour.policies import build_policy
 
@@ -104,6 +105,7 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._report: dict[str, tuple[int, int, int]] = {}
         self._scale: float | None = None
         self.timers = {"policy_s": 0.0, "compact_s": 0.0, "evictions": 0}
+        self._stats = ContourStats()
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -182,6 +184,7 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
             if (blocks is None or req is None or req.is_finished() or len(blocks) < e
                     or blocks[0].block_id != key):
                 self.stats.stale_reports += 1
+                self._stats.add("stale_reports", 1)
                 continue
             freed = [b for b in blocks[k:e] if not b.is_null]
             for i in range(k, e):
@@ -189,6 +192,8 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
             pool.free_blocks(freed)
             self.stats.evicted_requests += 1
             self.stats.freed_blocks += len(freed)
+            self._stats.add("evicted_requests", 1)
+            self._stats.add("freed_blocks", len(freed))
             self.stats.last[req_id] = (k, e, len(freed))
             if len(self.stats.last) > 4096:
                 self.stats.last.pop(next(iter(self.stats.last)))
@@ -264,6 +269,9 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.timers["policy_s"] += res.seconds_policy
             self.timers["compact_s"] += res.seconds_compact
             self.timers["evictions"] += 1
+            self._stats.add("policy_seconds", res.seconds_policy)
+            self._stats.add("compact_seconds", res.seconds_compact)
+            self._stats.add("prefill_tokens_evicted_from", item.num_tokens)
         st.evict_now = {}
         st.key_to_capture = {}
 
@@ -275,3 +283,18 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]):
         return None, None
+
+    # ------------------------------------------------------------------ telemetry
+    def get_kv_connector_stats(self):
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, ContourStats()
+        return out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return ContourStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return ContourPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -39,7 +39,7 @@ def add_eviction_args(parser):
         return parser
     helps = "; ".join(f"{k}: {v}" for k, v in policy_help().items())
     group = parser.add_argument_group(
-        title="KV eviction (vllm-contour)",
+        title="KVEviction",
         description="Per-head KV-cache eviction after prefill; freed blocks go back to vLLM's pool. "
                     "Same keys as --additional-config '{\"kv_eviction\": {...}}'.")
     group.add_argument("--kv-eviction-policy", dest="kv_eviction_policy", type=str, default=None,

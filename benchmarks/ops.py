@@ -1,0 +1,285 @@
+"""Op benchmark: compaction vs a plain memcpy, ragged decode attention vs vLLM's own CPU kernel.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.ops [--quick] [--out DIR] [--dtype bf16|fp32]
+
+Model shape like SmolLM2-135M: 30 layers x 3 KV heads x 9 query heads, head_dim 64, block size 32; one
+decode token (batch 1). Caches are vLLM's CPU layout ``[B, H, bs, 2D]`` with the key layout vLLM's own
+cache-write op produces on this machine (``cpu_layout.detect_key_layout``), one cache per layer.
+
+* compaction: one eviction per layer (each head keeps a random share of ``keep x tokens``, packed with
+  lane borrowing), timed against ``torch.Tensor.copy_`` of the same number of kept bytes (K and V), in the
+  same run: ``fraction = memcpy time / compaction time`` (1.0 = as fast as a memcpy).
+* decode: every head reads exactly ``tokens`` tokens; our implementations read a ragged page list (random
+  head-pages: heads borrow lanes), vLLM's ``cpu_attention_with_kv_cache`` reads the same number of tokens of
+  an uncompacted cache with a normal block table. Times are per decode step over all layers.
+
+Times are CPU time of the calling thread (``time.thread_time``; with one OpenMP thread all work runs
+there), medians over repetitions interleaved across implementations: on a shared machine wall time mostly
+measures the neighbours. Wall medians are recorded too. Writes ``ops.json`` and ``ops.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from vllm_contour import ops  # noqa: E402
+from vllm_contour.layout import compaction_indices, plan_layout  # noqa: E402
+from vllm_contour.ops.cpu_layout import KEY_TRANSPOSED, cpu_kv_views  # noqa: E402
+
+LAYERS, H, G, D, BS = 30, 3, 3, 64, 32
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def _vllm():
+    """vLLM's CPU ops and the ISA its backend would pick, or None."""
+    try:
+        from vllm import _custom_ops as vops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
+            return None
+        return vops, _get_attn_isa
+    except Exception:
+        return None
+
+
+def bench(fns: dict, reps: int, warmup: int = 1) -> dict:
+    """Median CPU and wall milliseconds of each callable, repetitions interleaved."""
+    for f in fns.values():
+        for _ in range(warmup):
+            f()
+    cpu = {k: [] for k in fns}
+    wall = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            c0, w0 = time.thread_time(), time.perf_counter()
+            f()
+            cpu[k].append((time.thread_time() - c0) * 1e3)
+            wall[k].append((time.perf_counter() - w0) * 1e3)
+    return {k: {"cpu_ms": statistics.median(cpu[k]), "wall_ms": statistics.median(wall[k]),
+                "cpu_ms_min": min(cpu[k])} for k in fns}
+
+
+def make_layers(tokens: int, dtype, key_layout: str, seed: int = 0, spare_blocks: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    nb = tokens // BS + spare_blocks
+    kvs = [torch.randn(nb, H, BS, 2 * D, generator=g).to(dtype) for _ in range(LAYERS)]
+    return kvs, [cpu_kv_views(kv, key_layout) for kv in kvs]
+
+
+# ------------------------------------------------------------------------------------------- compaction
+def eviction_moves(tokens: int, keep: float, rnd: random.Random):
+    """One layer: every head keeps a random number of whole pages (mean ``keep``), random tokens."""
+    e = tokens // BS
+    total = max(1, round(keep * e * H))
+    w = [rnd.random() + 0.2 for _ in range(H)]
+    pages = [min(e, int(total * x / sum(w))) for x in w]
+    kept = [torch.tensor(sorted(rnd.sample(range(e * BS), p * BS)), dtype=torch.int64) for p in pages]
+    block_ids = list(range(e))
+    lay = plan_layout(torch.tensor([pages]), block_ids, BS, H, e)
+    return compaction_indices(kept, lay.page_ids[0], block_ids, BS, H)
+
+
+def bench_compaction(tokens: int, keep: float, dtype, key_layout: str, reps: int, impls: list[str]):
+    rnd = random.Random(tokens)
+    kvs, views = make_layers(tokens, dtype, key_layout)
+    moves = [eviction_moves(tokens, keep, rnd) for _ in range(LAYERS)]
+    m_total = sum(int(mv[0].numel()) for mv in moves)
+    esize = torch.empty(0, dtype=dtype).element_size()
+    kept_bytes = [2 * int(mv[0].numel()) * D * esize for mv in moves]
+    src = [torch.empty(b, dtype=torch.uint8).random_() for b in kept_bytes]
+    dst = [torch.empty(b, dtype=torch.uint8) for b in kept_bytes]
+
+    def memcpy():
+        for s, d in zip(src, dst):
+            d.copy_(s)
+
+    def run(impl):
+        def f():
+            for (k, v), mv in zip(views, moves):
+                ops.compact(k, v, *mv, impl=impl)
+        return f
+
+    fns = {"memcpy": memcpy, **{impl: run(impl) for impl in impls}}
+    res = bench(fns, reps)
+    nbytes = sum(kept_bytes)
+    out = {"tokens": tokens, "keep": keep, "moves": m_total, "kept_bytes": nbytes, "times": res}
+    for k in fns:
+        out.setdefault("gbps", {})[k] = nbytes / (res[k]["cpu_ms"] * 1e-3) / 1e9
+        out.setdefault("fraction_of_memcpy", {})[k] = res["memcpy"]["cpu_ms"] / res[k]["cpu_ms"]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- decode
+def bench_decode(tokens: int, dtype, key_layout: str, reps: int, impls: list[str], vllm):
+    g = torch.Generator().manual_seed(tokens)
+    nb = tokens // BS
+    kvs, views = make_layers(tokens, dtype, key_layout, seed=tokens)
+    q = torch.randn(1, H * G, D, generator=g).to(dtype)
+    # ragged: a random permutation of all head-pages dealt to the heads (lane borrowing everywhere)
+    perm = torch.randperm(nb * H, generator=g).view(H, nb)
+    page_table = perm.unsqueeze(0).to(torch.int32)  # [1, H, nb]
+    seq_lens = torch.full((1, H), tokens, dtype=torch.int32)
+    scale = D ** -0.5
+    mom = {"n": torch.full((1, H), 100.0), "sum_k": torch.randn(1, H, D, generator=g),
+           "sum_v": torch.randn(1, H, D, generator=g), "sum_vk": torch.randn(1, H, D, D, generator=g)}
+
+    def run(impl, moments=None):
+        def f():
+            for k, v in views:
+                ops.ragged_decode_attention(q, k, v, page_table, seq_lens, scale, moments=moments, impl=impl,
+                                            native=True)
+        return f
+
+    fns = {impl: run(impl) for impl in impls}
+    if "cpp" in impls:
+        fns["cpp+moments"] = run("cpp", mom)
+    check = None
+    if vllm is not None:
+        vops, get_isa = vllm
+        isa = get_isa(dtype, BS, D)
+        qsl = torch.tensor([0, 1], dtype=torch.int32)
+        sl = torch.tensor([tokens], dtype=torch.int32)
+        bt = torch.arange(nb, dtype=torch.int32).view(1, -1)
+        md = vops.cpu_attn_get_scheduler_metadata(
+            num_reqs=1, num_heads=H * G, num_kv_heads=H, head_dim=D, seq_lens=sl, dtype=dtype,
+            query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+        out = torch.empty(1, H * G, D, dtype=dtype)
+        halves = [kv.view(nb, H, 2 * BS, D) for kv in kvs]
+
+        def native():
+            for kv2 in halves:
+                vops.cpu_attention_with_kv_cache(
+                    query=q, key_cache=kv2[:, :, :BS], value_cache=kv2[:, :, BS:], output=out,
+                    query_start_loc=qsl, seq_lens=sl, scale=scale, causal=True, alibi_slopes=None,
+                    sliding_window=-1, block_table=bt, softcap=0.0, scheduler_metadata=md, s_aux=None)
+
+        fns["vllm_native"] = native
+        if "cpp" in impls:  # same tokens, dense page table: our kernel must agree with vLLM's
+            dense = (torch.arange(nb).view(1, 1, -1) * H + torch.arange(H).view(1, H, 1)).to(torch.int32)
+            native()
+            o, _ = ops.ragged_decode_attention(q, *views[-1], dense, seq_lens, scale, impl="cpp")
+            check = float((o.float() - out.float()).abs().max())
+    res = bench(fns, reps)
+    return {"tokens": tokens, "times": res, "max_abs_diff_cpp_vs_vllm_native": check}
+
+
+# ------------------------------------------------------------------------------------------------ report
+def plot(result: dict, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+    for keep in sorted({r["keep"] for r in result["compaction"]}):
+        rows = [r for r in result["compaction"] if r["keep"] == keep]
+        for impl in [k for k in rows[0]["fraction_of_memcpy"] if k != "memcpy"]:
+            ax[0].plot([r["tokens"] for r in rows], [r["fraction_of_memcpy"][impl] for r in rows], "o-",
+                       label=f"{impl}, keep {keep:g}")
+    ax[0].axhline(1.0, color="gray", ls=":", label="memcpy")
+    ax[0].set(xscale="log", xlabel="prompt tokens per head", ylabel="throughput / memcpy throughput",
+              title=f"compaction ({LAYERS} layers, {result['config']['dtype']})")
+    ax[0].legend(fontsize=8)
+    rows = result["decode"]
+    for impl in rows[0]["times"]:
+        ax[1].plot([r["tokens"] for r in rows], [r["times"][impl]["cpu_ms"] for r in rows], "o-", label=impl)
+    ax[1].set(xscale="log", yscale="log", xlabel="tokens read per KV head", ylabel="ms per decode step",
+              title=f"decode, {LAYERS} layers x {H} KV x {H * G} q heads, D={D}")
+    ax[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def table(result: dict) -> str:
+    lines = [f"compaction, {LAYERS} layers, {result['config']['dtype']}, key layout "
+             f"{result['config']['key_layout']} (CPU ms, median; fraction = memcpy time / op time)"]
+    impls = [k for k in result["compaction"][0]["times"] if k != "memcpy"]
+    lines.append(f"{'tokens':>7} {'keep':>5} {'MB kept':>8} {'memcpy':>8} " +
+                 " ".join(f"{i:>8} {'frac':>5}" for i in impls))
+    for r in result["compaction"]:
+        t = r["times"]
+        lines.append(f"{r['tokens']:>7} {r['keep']:>5.2f} {r['kept_bytes'] / 1e6:>8.2f} "
+                     f"{t['memcpy']['cpu_ms']:>8.2f} " +
+                     " ".join(f"{t[i]['cpu_ms']:>8.2f} {r['fraction_of_memcpy'][i]:>5.2f}" for i in impls))
+    dec = result["decode"]
+    impls = list(dec[0]["times"])
+    lines.append("")
+    lines.append(f"decode step, {LAYERS} layers x {H} KV heads x {H * G} q heads, D={D}, bs={BS}, "
+                 f"{result['config']['dtype']} (CPU ms, median); ratio = impl / vllm_native")
+    lines.append(f"{'tokens':>7} " + " ".join(f"{i:>12}" for i in impls) +
+                 ("  " + " ".join(f"{i + '/nat':>14}" for i in impls if i != "vllm_native")
+                  if "vllm_native" in impls else ""))
+    for r in dec:
+        t = r["times"]
+        s = f"{r['tokens']:>7} " + " ".join(f"{t[i]['cpu_ms']:>12.2f}" for i in impls)
+        if "vllm_native" in t:
+            s += "  " + " ".join(f"{t[i]['cpu_ms'] / t['vllm_native']['cpu_ms']:>14.2f}"
+                                 for i in impls if i != "vllm_native")
+        lines.append(s)
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (~1 min)")
+    ap.add_argument("--out", default="results/bench_ops")
+    ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    a = ap.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dtype = DTYPES[a.dtype]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    vllm = _vllm()
+    key_layout = KEY_TRANSPOSED
+    if vllm is not None:
+        from vllm_contour.ops.cpu_layout import detect_key_layout
+
+        key_layout = detect_key_layout(vllm[1](dtype, BS, D), dtype, BS, D)
+    if a.quick:
+        comp_sizes, keeps, dec_sizes, reps = [256, 1024, 4096], [0.5], [256, 1024, 4096], 5
+    else:
+        comp_sizes, keeps, dec_sizes, reps = [256, 512, 1024, 2048, 4096], [0.25, 0.5], \
+            [256, 512, 1024, 2048, 4096], 11
+    comp_impls = [i for i in ("cpp", "torch") if i in ops.available("compact", "cpu")]
+    dec_impls = [i for i in ("cpp", "vllm_cpu", "torch")
+                 if i in ops.available("ragged_decode_attention", "cpu", native=True,
+                                       key_cache=cpu_kv_views(torch.zeros(1, H, BS, 2 * D, dtype=dtype),
+                                                              key_layout)[0])]
+    jobs = [("compaction", n, k) for n in comp_sizes for k in keeps] + [("decode", n, None) for n in dec_sizes]
+    result = {"config": {"layers": LAYERS, "kv_heads": H, "q_heads": H * G, "head_dim": D, "block_size": BS,
+                         "dtype": a.dtype, "key_layout": key_layout, "threads": torch.get_num_threads(),
+                         "reps": reps, "quick": a.quick, "torch": torch.__version__,
+                         "cpu": platform.processor() or platform.machine(),
+                         "vllm_isa": vllm[1](dtype, BS, D) if vllm else None},
+              "compaction": [], "decode": []}
+    for kind, n, keep in tqdm(jobs, desc="benchmarks.ops"):
+        if kind == "compaction":
+            result["compaction"].append(bench_compaction(n, keep, dtype, key_layout, reps, comp_impls))
+        else:
+            result["decode"].append(bench_decode(n, dtype, key_layout, max(3, reps // 2), dec_impls, vllm))
+    (out / "ops.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / "ops.png")
+    txt = table(result)
+    (out / "ops.txt").write_text(txt + "\n")
+    print(txt)
+    print(f"\nwrote {out / 'ops.json'}, {out / 'ops.png'}")
+
+
+if __name__ == "__main__":
+    main()

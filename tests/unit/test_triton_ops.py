@@ -1,0 +1,124 @@
+"""The Triton kernels (``triton_ops``) equal the torch reference under the CPU interpreter (small sizes),
+and every kernel compiles ahead of time for sm_90.
+
+The interpreter must be on before Triton itself is imported (``triton.language``'s own jitted helpers such
+as ``tl.sum`` are decorated at import), and it must not leak into the rest of a pytest session (vLLM
+checks whether Triton is usable). So in a normal run this module is one test that re-runs the file in a
+child pytest with ``TRITON_INTERPRET=1``; run it directly with ``TRITON_INTERPRET=1 pytest
+tests/unit/test_triton_ops.py`` to see every case.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+REPO = Path(__file__).resolve().parents[2]
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("numpy")
+
+import torch  # noqa: E402
+
+from vllm_contour.ops.reference import (accumulate_moments_ref, compact_ref,  # noqa: E402
+                                        ragged_decode_attention_ref)
+
+from .ops_cases import (DTYPES, LAYOUTS, compaction_moves, decode_case, make_cache,  # noqa: E402
+                        permutation_moves, random_moments, token_list, tol, views_of, zero_moments)
+
+if INTERPRET:
+    import triton_ops  # noqa: E402
+interp = pytest.mark.skipif(not INTERPRET, reason="runs in the child interpreter session "
+                                                  "(test_interpreter_cases)")
+
+NB, H, BS, D, G = 12, 2, 16, 32, 3
+REPO = Path(__file__).resolve().parents[2]
+
+
+@interp
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compact(layout, dtype):
+    kv, _, _ = make_cache(layout, NB, H, BS, D, dtype, seed=1)
+    for idx in (compaction_moves(1, NB, H, BS), permutation_moves(2, NB, H, BS, m=60)):
+        want, got = kv.clone(), kv.clone()
+        compact_ref(*views_of(layout, want, D), *idx)
+        triton_ops.compact(*views_of(layout, got, D), *idx)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@interp
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_accumulate_moments(layout, dtype):
+    _, k, v = make_cache(layout, NB, H, BS, D, dtype, seed=2)
+    pg, of, hd = token_list(3, NB, H, BS, 70, hm=H)
+    want, got = zero_moments(H, D, 1), zero_moments(H, D, 1)
+    accumulate_moments_ref(k, v, pg, of, hd, want)
+    triton_ops.accumulate_moments(k, v, pg, of, hd, got, block_n=16, block_r=16)  # several row tiles
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-4, msg=key)
+
+
+@interp
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_moments", [False, True])
+def test_ragged_decode(layout, dtype, with_moments):
+    _, k, v = make_cache(layout, NB, H, BS, D, dtype, seed=3)
+    pt, sl = decode_case(4, NB, H, BS, t_rows=2, long_tail=True)
+    q = torch.randn(2, H * G, D, generator=torch.Generator().manual_seed(5)).to(dtype)
+    mom = random_moments(6, 2, H, D) if with_moments else None
+    want_o, want_l = ragged_decode_attention_ref(q, k, v, pt, sl, 0.2, moments=mom)
+    # block_n smaller than a page, and not dividing the lists: chunks straddle pages
+    got_o, got_l = triton_ops.ragged_decode_attention(q, k, v, pt, sl, 0.2, moments=mom, block_n=8)
+    torch.testing.assert_close(got_o.float(), want_o.float(), **tol(dtype))
+    torch.testing.assert_close(got_l, want_l, rtol=1e-5, atol=1e-4)
+
+
+@interp
+def test_ragged_decode_empty_list_and_int64_tables():
+    _, k, v = make_cache("interleaved", NB, H, BS, D, seed=4)
+    pt, sl = decode_case(7, NB, H, BS, t_rows=2)
+    sl[1, 0] = 0
+    q = torch.randn(2, H * G, D)
+    mom = random_moments(8, 2, H, D)
+    mom["n"][1, 0] = 3.0
+    for m in (None, mom):
+        want_o, want_l = ragged_decode_attention_ref(q, k, v, pt, sl, 0.2, moments=m)
+        got_o, got_l = triton_ops.ragged_decode_attention(q, k, v, pt.long(), sl.long(), 0.2, moments=m)
+        torch.testing.assert_close(got_o, want_o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_l, want_l, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(INTERPRET, reason="runs in the parent session")
+def test_interpreter_cases():
+    """Every interpreter case above, in a child pytest that starts with TRITON_INTERPRET=1."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:warnings",
+                        str(Path(__file__).relative_to(REPO))], capture_output=True, text=True, env=env,
+                       cwd=REPO, timeout=600)
+    tail = r.stdout[-4000:]
+    assert r.returncode == 0, tail + r.stderr[-2000:]
+    assert " passed" in tail and " failed" not in tail, tail
+
+
+@pytest.mark.skipif(INTERPRET, reason="runs in the parent session")
+def test_aot_compile_for_sm90():
+    """Every kernel compiles for GPUTarget("cuda", 90, 32) (bf16 and fp32 caches, head_dim 64 and 128)."""
+    code = ("from triton_ops.aot import compile_all\n"
+            "done = compile_all(90, ('bf16',), head_dim=64, group=3)\n"
+            "done.update(compile_all(90, ('fp32',), head_dim=128, group=8))\n"
+            "assert all(n > 0 for _, n in done.values()), done\n"
+            "print(len(done))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "10"
