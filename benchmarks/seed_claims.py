@@ -42,11 +42,11 @@ criterion used) and ``seed_claims.png``.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
 import time
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -99,20 +99,31 @@ def _gram(a: torch.Tensor, v: torch.Tensor, o: torch.Tensor):
     return av, av @ av.transpose(1, 2), av @ o.unsqueeze(-1)  # av, G [N, c, c], go [N, c, 1]
 
 
-def _set_sums(combos: torch.Tensor, a, go, gflat, c):
-    """For index sets ``combos [n, m]``: ``sum a``, ``sum go``, ``sum_{i,j} G_ij`` per row -> ``[N, n]``."""
-    m = combos.shape[1]
-    sa = sum(a[:, combos[:, i]] for i in range(m))
-    so = sum(go[:, combos[:, i]] for i in range(m))
-    sg = sum(gflat[:, combos[:, i] * (c + 1)] for i in range(m))
+@lru_cache(maxsize=32)
+def _combinations(c: int, m: int) -> torch.Tensor:
+    if m == 0:
+        return torch.zeros(1, 0, dtype=torch.int64)
+    return torch.combinations(torch.arange(c), m).reshape(math.comb(c, m), m)
+
+
+def _set_sums(cb: torch.Tensor, a_t, go_t, g_t, c):
+    """For index sets ``cb [n, m]``: ``sum a``, ``sum go``, ``sum_{i,j in set} G_ij`` -> ``[n, N]`` each.
+    Inputs are transposed (rows last): a_t, go_t ``[c, N]``, g_t ``[c*c, N]``."""
+    m = cb.shape[1]
+    n_rows = a_t.shape[1]
+    zero = torch.zeros(cb.shape[0], n_rows, dtype=a_t.dtype)
+    sa, so, sg = zero.clone(), zero.clone(), zero.clone()
     for i in range(m):
+        sa += a_t.index_select(0, cb[:, i])
+        so += go_t.index_select(0, cb[:, i])
+        sg += g_t.index_select(0, cb[:, i] * (c + 1))
         for j in range(i + 1, m):
-            sg = sg + 2 * gflat[:, combos[:, i] * c + combos[:, j]]
+            sg += 2 * g_t.index_select(0, cb[:, i] * c + cb[:, j])
     return sa, so, sg
 
 
 def exhaustive_best(a: torch.Tensor, v: torch.Tensor, o: torch.Tensor, s: int,
-                    chunk_elems: int = 1 << 23) -> tuple[torch.Tensor, torch.Tensor]:
+                    chunk_elems: int = 1 << 18) -> tuple[torch.Tensor, torch.Tensor]:
     """Best size-``s`` subset (forced weights) among ``c`` candidates, by enumerating all ``C(c, s)``.
 
     a ``[N, c]`` (> 0), v ``[N, c, D]``, o ``[N, D]``. Uses ``err^2 = |o|^2 - 2 o.N/Z + |N|^2/Z^2`` with
@@ -125,29 +136,31 @@ def exhaustive_best(a: torch.Tensor, v: torch.Tensor, o: torch.Tensor, s: int,
         raise ValueError(f"subset size {s} with {c} candidates")
     av, g, go = _gram(a, v, o)
     go = go.squeeze(-1)
-    gflat = g.reshape(n_rows, c * c)
-    oo = (o * o).sum(-1, keepdim=True)
+    oo = (o * o).sum(-1)
     drop_form = (c - s) < s
     m = c - s if drop_form else s
-    combos = torch.tensor(list(itertools.combinations(range(c), m)), dtype=torch.int64).reshape(
-        math.comb(c, m), m)
+    combos = _combinations(c, m)
+    a_t, go_t = a.T.contiguous(), go.T.contiguous()
+    g_t = g.reshape(n_rows, c * c).T.contiguous()
     if drop_form:
-        z_all, o_all, n_all = a.sum(-1, keepdim=True), go.sum(-1, keepdim=True), g.sum((-1, -2)).unsqueeze(-1)
-        gu = g.sum(-1)  # av_j . N_all
+        z_all, o_all, n_all = a.sum(-1), go.sum(-1), g.sum((-1, -2))
+        gu_t = g.sum(-1).T.contiguous()  # av_j . N_all
     best_err = torch.full((n_rows,), float("inf"), dtype=torch.float64)
     best_combo = torch.zeros(n_rows, dtype=torch.int64)
-    step = max(1, chunk_elems // max(1, n_rows * (m * m + 3)))
+    step = max(1, chunk_elems // max(1, n_rows))
     for lo in range(0, combos.shape[0], step):
         cb = combos[lo: lo + step]
-        sa, so, sg = _set_sums(cb, a, go, gflat, c)
+        sa, so, sg = _set_sums(cb, a_t, go_t, g_t, c)
         if drop_form:
             # N = N_all - N_drop: |N|^2 = |N_all|^2 - 2 N_all.N_drop + |N_drop|^2
-            nall_dot = sum(gu[:, cb[:, i]] for i in range(m))
+            nall_dot = torch.zeros_like(sa)
+            for i in range(m):
+                nall_dot += gu_t.index_select(0, cb[:, i])
             z, on, nn = z_all - sa, o_all - so, n_all - 2 * nall_dot + sg
         else:
             z, on, nn = sa, so, sg
-        err2 = oo - 2 * on / z + nn / (z * z)
-        e, i = err2.min(dim=1)
+        err2 = oo - 2 * on / z + nn / (z * z)  # [n, N]
+        e, i = err2.min(dim=0)
         better = e < best_err
         best_err = torch.where(better, e, best_err)
         best_combo = torch.where(better, i + lo, best_combo)
@@ -166,39 +179,54 @@ def exhaustive_best(a: torch.Tensor, v: torch.Tensor, o: torch.Tensor, s: int,
 def local_search(a: torch.Tensor, v: torch.Tensor, o: torch.Tensor, keep: torch.Tensor,
                  max_iter: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
     """Best-improvement 1-swap hill climbing (forced weights) over a pool: a ``[N, P]``, v ``[N, P, D]``,
-    o ``[N, D]``, start ``keep [N, P]`` bool (s True per row). Returns (exact error [N], keep mask)."""
+    o ``[N, D]``, start ``keep [N, P]`` bool (s True per row). Rows stop when no swap improves. Returns
+    (exact error [N], keep mask)."""
     a, v, o = a.double(), v.double(), o.double()
     av, g, go = _gram(a, v, o)
     go = go.squeeze(-1)
     oo = (o * o).sum(-1)
     x = keep.clone()
+    n_rows, p = a.shape
+    s = int(keep[0].sum())
     diag = torch.diagonal(g, dim1=1, dim2=2)
+    active = torch.arange(n_rows)
     for _ in range(max_iter):
-        xf = x.double()
-        z = (a * xf).sum(-1)
-        on = (go * xf).sum(-1)
-        h = (g @ xf.unsqueeze(-1)).squeeze(-1)  # av_j . N
+        if s == 0 or s == p or active.numel() == 0:
+            break
+        xa = x[active]
+        na = active.numel()
+        kin = xa.nonzero()[:, 1].reshape(na, s)
+        kout = (~xa).nonzero()[:, 1].reshape(na, p - s)
+        aa, goa, ga, da = a[active], go[active], g[active], diag[active]
+        xf = xa.double()
+        z = (aa * xf).sum(-1)
+        on = (goa * xf).sum(-1)
+        h = (ga @ xf.unsqueeze(-1)).squeeze(-1)  # av_j . N
         nn = (h * xf).sum(-1)
-        cur = oo - 2 * on / z + nn / (z * z)
-        # swap i (kept) out, j (not kept) in
-        z2 = z[:, None, None] - a[:, :, None] + a[:, None, :]
-        on2 = on[:, None, None] - go[:, :, None] + go[:, None, :]
-        nn2 = (nn[:, None, None] - 2 * h[:, :, None] + 2 * h[:, None, :] + diag[:, :, None] + diag[:, None, :]
-               - 2 * g)
-        err2 = oo[:, None, None] - 2 * on2 / z2 + nn2 / (z2 * z2)
-        valid = x[:, :, None] & ~x[:, None, :]
-        err2 = err2.masked_fill(~valid, float("inf"))
+        cur = oo[active] - 2 * on / z + nn / (z * z)
+
+        def pick(t, idx):
+            return t.gather(1, idx)
+
+        a_i, a_j = pick(aa, kin)[:, :, None], pick(aa, kout)[:, None, :]
+        g_ij = ga.gather(1, kin.unsqueeze(-1).expand(-1, -1, p)).gather(2, kout.unsqueeze(1).expand(-1, s, -1))
+        z2 = z[:, None, None] - a_i + a_j
+        on2 = on[:, None, None] - pick(goa, kin)[:, :, None] + pick(goa, kout)[:, None, :]
+        nn2 = (nn[:, None, None] - 2 * pick(h, kin)[:, :, None] + 2 * pick(h, kout)[:, None, :]
+               + pick(da, kin)[:, :, None] + pick(da, kout)[:, None, :] - 2 * g_ij)
+        err2 = oo[active][:, None, None] - 2 * on2 / z2 + nn2 / (z2 * z2)
         best, flat = err2.flatten(1).min(dim=1)
-        improve = best < cur - 1e-12 * oo.clamp_min(1e-30)
+        improve = best < cur - 1e-12 * oo[active].clamp_min(1e-30)
         if not bool(improve.any()):
             break
-        rows = improve.nonzero().squeeze(1)
-        p = a.shape[1]
-        i_out, j_in = flat[rows] // p, flat[rows] % p
+        r = improve.nonzero().squeeze(1)
+        rows = active[r]
+        i_out = kin[r, flat[r] // (p - s)]
+        j_in = kout[r, flat[r] % (p - s)]
         x[rows, i_out] = False
         x[rows, j_in] = True
-    s = int(keep[0].sum())
-    idx = x.nonzero()[:, 1].reshape(x.shape[0], s)
+        active = rows
+    idx = x.nonzero()[:, 1].reshape(n_rows, s)
     err = forced_error(a.gather(1, idx), v.gather(1, idx.unsqueeze(-1).expand(-1, -1, v.shape[-1])), o)
     return err, x
 

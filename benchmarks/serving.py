@@ -67,7 +67,7 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SERVED_NAME = "smollm2"
 
-QUICK = dict(output_lens=[64, 256], num_prompts=8, max_concurrency=8, pools=[160], policies=["snapkv"],
+QUICK = dict(output_lens=[64, 256], num_prompts=12, max_concurrency=12, pools=[160], policies=["snapkv"],
              offline_prompts=4, offline_output_len=256)
 FULL = dict(output_lens=[64, 256, 512], num_prompts=24, max_concurrency=24, pools=[160, 320],
             policies=["snapkv", "contour"], offline_prompts=64, offline_output_len=256)
@@ -220,6 +220,18 @@ def timeline_summary(samples: list[dict]) -> dict[str, float]:
         acc = sum(a[key] * (b["t"] - a["t"]) for a, b in zip(samples, samples[1:]))
         out[name] = acc / span if span > 0 else samples[0][key]
     return out
+
+
+def active_window(samples: list[dict]) -> list[dict]:
+    """The samples from the first one with a running or waiting request to the first idle one after the
+    last busy sample, with ``t`` rebased to 0 at the first busy sample (drops client start-up and
+    tear-down idle time). Empty if never busy."""
+    busy = [i for i, s in enumerate(samples) if s.get("running", 0) > 0 or s.get("waiting", 0) > 0]
+    if not busy:
+        return []
+    lo, hi = busy[0], min(busy[-1] + 1, len(samples) - 1)
+    t0 = samples[lo]["t"]
+    return [{**s, "t": round(s["t"] - t0, 3)} for s in samples[lo:hi + 1]]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -611,7 +623,8 @@ def run_server_config(cfg: dict, opts, out: Path, pbar, model_dir: str, env: dic
             try:
                 run_bench_client(argv, opts.client, env, out / "logs" / f"client_{tag}_out{L}.log")
             finally:
-                samples = poller.stop()
+                raw_samples = poller.stop()
+            samples = active_window(raw_samples)
             wall = time.time() - t0
             server.check_alive()
             after = metric_totals(http_get(server.base_url + "/metrics"))
@@ -636,6 +649,7 @@ def run_server_config(cfg: dict, opts, out: Path, pbar, model_dir: str, env: dic
                    "preemptions": vllm_c["vllm:num_preemptions"],
                    "server_counters": vllm_c, "contour": contour if policy else None,
                    "loadavg": [load0, os.getloadavg()], "poll_errors": poller.errors,
+                   "polls": len(raw_samples),
                    "timeline": samples}
             if policy:
                 row["overhead"] = eviction_overhead(contour, None, lat["ttft_sum_s"])
@@ -705,7 +719,7 @@ def offline_worker(spec_path: str, out_path: str) -> None:
     res = {"start_s": start_s, "generate_s": gen_s, "prompt_tokens": n_in, "output_tokens": n_out,
            "output_tok_per_s": n_out / gen_s, "total_tok_per_s": (n_in + n_out) / gen_s,
            "requests_per_s": len(outs) / gen_s, "num_gpu_blocks": pool.num_gpu_blocks,
-           **timeline_summary(samples), "timeline": samples}
+           **timeline_summary(active_window(samples)), "timeline": active_window(samples)}
     Path(out_path).write_text(json.dumps(res))
 
 
@@ -891,11 +905,11 @@ def parse_args(argv=None):
     p.add_argument("--offline-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     base = QUICK if a.quick else FULL
+    if a.max_concurrency is None and a.num_prompts is not None:
+        a.max_concurrency = a.num_prompts  # all requests in flight at once unless capped explicitly
     for k, v in base.items():
         if getattr(a, k, None) is None:
             setattr(a, k, v)
-    if a.max_concurrency is None:
-        a.max_concurrency = base["max_concurrency"] if a.num_prompts == base["num_prompts"] else a.num_prompts
     a.max_model_len = max_model_len_for(a.input_len, a.output_lens, a.block_size)
     a.offline_max_model_len = max_model_len_for(a.input_len, [a.offline_output_len], a.block_size)
     return a
@@ -941,6 +955,9 @@ def main(argv=None) -> int:
     }
     n_serve = 0 if opts.no_serve else len(opts.pools) * len(configs) * (1 + len(opts.output_lens))
     n_off = 0 if opts.no_offline else len(configs) * len(opts.pools[:1])
+    if opts.client == "inprocess" and not opts.no_serve:
+        os.environ.setdefault("VLLM_TARGET_DEVICE", env["VLLM_TARGET_DEVICE"])
+        import vllm.benchmarks.serve  # noqa: F401  (~20-30 s here; keeps it out of the timed runs)
     pbar = tqdm(total=n_serve + n_off, desc="serving bench", unit="step")
     status = "ok"
     try:

@@ -263,22 +263,42 @@ void compact_kernel(const Tensor& kc, const Tensor& vc, const int64_t* sp, const
   const DivMod dm(K.heads);
   const int64_t pages = K.pages, bs = K.bs;
   int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
+  // consecutive moves mostly share their source and destination pages: divide once per page change
+  int64_t last_s = -1, last_d = -1, sk = 0, sv = 0, dk = 0, dv = 0;
+  bool ok = true;
   for (int64_t i = 0; i < M; ++i) {
-    TORCH_CHECK(static_cast<uint64_t>(sp[i]) < static_cast<uint64_t>(pages) &&
-                    static_cast<uint64_t>(so[i]) < static_cast<uint64_t>(bs) &&
-                    static_cast<uint64_t>(dp[i]) < static_cast<uint64_t>(pages) &&
-                    static_cast<uint64_t>(dof[i]) < static_cast<uint64_t>(bs),
-                "compact: move ", i, " (page ", sp[i], ", offset ", so[i], ") -> (page ", dp[i], ", offset ", dof[i],
-                ") is outside the cache (", pages, " head-pages x ", bs, ")");
+    ok &= (static_cast<uint64_t>(sp[i]) < static_cast<uint64_t>(pages)) &
+          (static_cast<uint64_t>(so[i]) < static_cast<uint64_t>(bs)) &
+          (static_cast<uint64_t>(dp[i]) < static_cast<uint64_t>(pages)) &
+          (static_cast<uint64_t>(dof[i]) < static_cast<uint64_t>(bs));
+    if (!ok) break;
     int64_t b, l;
-    dm(sp[i], b, l);
-    ks[i] = b * K.s0 + l * K.s1 + so[i] * K.s2;
-    vs[i] = b * V.s0 + l * V.s1 + so[i] * V.s2;
-    dm(dp[i], b, l);
-    kd[i] = b * K.s0 + l * K.s1 + dof[i] * K.s2;
-    vd[i] = b * V.s0 + l * V.s1 + dof[i] * V.s2;
-    lo = std::min(lo, dp[i] * bs + dof[i]);
-    hi = std::max(hi, dp[i] * bs + dof[i]);
+    if (sp[i] != last_s) {
+      dm(sp[i], b, l);
+      sk = b * K.s0 + l * K.s1;
+      sv = b * V.s0 + l * V.s1;
+      last_s = sp[i];
+    }
+    if (dp[i] != last_d) {
+      dm(dp[i], b, l);
+      dk = b * K.s0 + l * K.s1;
+      dv = b * V.s0 + l * V.s1;
+      last_d = dp[i];
+    }
+    ks[i] = sk + so[i] * K.s2;
+    vs[i] = sv + so[i] * V.s2;
+    kd[i] = dk + dof[i] * K.s2;
+    vd[i] = dv + dof[i] * V.s2;
+    const int64_t key = dp[i] * bs + dof[i];
+    lo = std::min(lo, key);
+    hi = std::max(hi, key);
+  }
+  if (!ok) {
+    for (int64_t i = 0; i < M; ++i)
+      TORCH_CHECK(sp[i] >= 0 && sp[i] < pages && so[i] >= 0 && so[i] < bs && dp[i] >= 0 && dp[i] < pages &&
+                      dof[i] >= 0 && dof[i] < bs,
+                  "compact: move ", i, " (page ", sp[i], ", offset ", so[i], ") -> (page ", dp[i], ", offset ",
+                  dof[i], ") is outside the cache (", pages, " head-pages x ", bs, ")");
   }
   std::unique_ptr<int64_t[]> slot_buf(new int64_t[M]);
   int64_t* slot = slot_buf.get();  // row in the temporary buffer, -1: read in place

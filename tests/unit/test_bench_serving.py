@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from benchmarks.serving import (bench_argv, counter_deltas, eviction_overhead, latency_summary, markdown_table,
+from benchmarks.serving import (active_window, bench_argv, counter_deltas, eviction_overhead, latency_summary, markdown_table,
                                 max_model_len_for, metric, metric_totals, parse_prometheus, percentile,
                                 ratio_table, request_latencies, serve_flags, timeline_summary)
 
@@ -152,3 +152,14 @@ def test_markdown_table_and_flags():
     assert argv[:2] == ["bench", "serve"] and "--ignore-eos" in argv
     assert argv[argv.index("--request-rate") + 1] == "inf"
     assert argv[argv.index("--max-concurrency") + 1] == "8"
+
+
+def test_active_window_trims_idle_edges_and_rebases_time():
+    idle = lambda t: {"t": t, "running": 0, "waiting": 0, "kv_usage": 0.0}
+    busy = lambda t, r, w=0: {"t": t, "running": r, "waiting": w, "kv_usage": 0.5}
+    samples = [idle(0.0), idle(0.5), busy(1.0, 0, 3), busy(1.5, 2), idle(2.0), busy(2.5, 1), idle(3.0), idle(3.5)]
+    w = active_window(samples)
+    assert [s["t"] for s in w] == [0.0, 0.5, 1.0, 1.5, 2.0]  # from the first waiting request to the first idle after
+    assert w[0]["waiting"] == 3 and w[-1]["running"] == 0
+    assert active_window([idle(0.0), idle(1.0)]) == []
+    assert [s["t"] for s in active_window([busy(4.0, 1)])] == [0.0]
