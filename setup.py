@@ -1,33 +1,76 @@
 """Builds the optional C++/OpenMP CPU kernels ``vllm_contour._C`` at install time.
 
-Metadata lives in pyproject.toml; this file only adds the extension. ``pip install .`` needs torch in the
-build environment (``[build-system] requires`` lists it); for an editable install into an environment that
-already has torch: ``pip install --no-build-isolation --no-deps -e .``.
+Metadata lives in pyproject.toml; this file only adds the extension (setuptools.build_meta picks it up).
+The extension is compiled against the torch of the build environment and must run with the same torch:
+install with ``pip install --no-build-isolation .`` (or ``-e .``) into the environment that has the
+runtime torch, or let build isolation install the same version (``[build-system] requires``).
+
+Importing ``vllm_contour._C`` registers ``torch.ops.vllm_contour.*``; when it is missing the ops fall back
+to the other implementations (``vllm_contour.ops.cpu_ext``).
 
 Environment:
-  VLLM_CONTOUR_NO_EXT=1            skip the extension (the ops fall back to the torch / vLLM implementations)
-  VLLM_CONTOUR_CPU_ARCH="..."      target flags (default ``-march=native``: the extension is built on the
-                                   machine that runs it; use e.g. ``-mavx2 -mfma -mf16c`` or ``""`` for a
-                                   portable build)
+  VLLM_CONTOUR_NO_EXT=1            skip the extension
+  VLLM_CONTOUR_EXT_REQUIRED=1      fail the install when the extension does not build (default: warn and
+                                   install without it)
+  VLLM_CONTOUR_CPU_ARCH="..."      target flags, default ``-march=native`` (the extension is built on the
+                                   machine that runs it); e.g. ``-mavx2 -mfma -mf16c``, or ``""`` for a
+                                   portable build (e.g. a wheel for other machines)
+  MAX_JOBS=N                       parallel compile jobs (one source file: 1 is enough)
 """
 
 import os
+import sys
 
 from setuptools import setup
 
 ext_modules, cmdclass = [], {}
 if os.environ.get("VLLM_CONTOUR_NO_EXT", "0") != "1":
-    from torch.utils.cpp_extension import BuildExtension, CppExtension
-
-    arch = os.environ.get("VLLM_CONTOUR_CPU_ARCH", "-march=native").split()
-    ext_modules.append(
-        CppExtension(
-            name="vllm_contour._C",
-            sources=["csrc/contour_ops.cpp"],
-            extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", *arch],
-            extra_link_args=["-fopenmp"],
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        print("vllm-contour: torch is not importable in the build environment; installing without the C++ "
+              "kernels (vllm_contour._C)", file=sys.stderr)
+    else:
+        arch = os.environ.get("VLLM_CONTOUR_CPU_ARCH", "-march=native").split()
+        ext_modules.append(
+            CppExtension(
+                name="vllm_contour._C",
+                sources=["csrc/contour_ops.cpp"],
+                extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", *arch],
+                extra_link_args=["-fopenmp"],
+                optional=os.environ.get("VLLM_CONTOUR_EXT_REQUIRED", "0") != "1",
+            )
         )
-    )
-    cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)
+
+        class _BuildExt(BuildExtension):
+            """An optional extension that fails to compile is skipped with a warning (torch's ninja build
+            raises RuntimeError, which setuptools' own ``optional`` handling does not catch)."""
+
+            def build_extension(self, ext):
+                try:
+                    super().build_extension(ext)
+                except Exception as e:  # noqa: BLE001
+                    if not getattr(ext, "optional", False):
+                        raise
+                    print(f"vllm-contour: WARNING: building {ext.name} failed ({e}); installing without the "
+                          "C++ kernels (set VLLM_CONTOUR_EXT_REQUIRED=1 to make this an error)", file=sys.stderr)
+                    self._failed.append(ext.name)
+
+            def run(self):
+                self._failed = []
+                super().run()
+
+            def copy_extensions_to_source(self):  # editable installs: skip what did not build
+                keep = self.extensions
+                self.extensions = [e for e in keep if e.name not in self._failed]
+                try:
+                    super().copy_extensions_to_source()
+                finally:
+                    self.extensions = keep
+
+            def get_outputs(self):
+                return [o for o, e in zip(super().get_outputs(), self.extensions) if e.name not in self._failed]
+
+        cmdclass["build_ext"] = _BuildExt.with_options(use_ninja=True)
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

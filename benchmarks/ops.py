@@ -200,6 +200,10 @@ def plot(result: dict, path: Path):
     ax[1].set(xscale="log", yscale="log", xlabel="tokens read per KV head", ylabel="ms per decode step",
               title=f"decode, {LAYERS} layers x {H} KV x {H * G} q heads, D={D}")
     ax[1].legend(fontsize=8)
+    for a, rows_ in ((ax[0], result["compaction"]), (ax[1], result["decode"])):
+        ticks = sorted({r["tokens"] for r in rows_})
+        a.set_xticks(ticks, [str(x) for x in ticks])
+        a.minorticks_off()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -33,10 +33,9 @@ def make_prompt(tok, context_tokens: int, depth: float, key: int) -> tuple[list[
     parts.insert(int(round(depth * n_fill)), needle)
     question = "What is the pass key? The pass key is"
     content = intro + "".join(parts)
-    ids = tok.apply_chat_template([{"role": "user", "content": content + "\n" + question}],
-                                  add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict):
-        ids = ids["input_ids"]
+    text = tok.apply_chat_template([{"role": "user", "content": content + "\n" + question}],
+                                   add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(text, add_special_tokens=False)
     q_ids = tok.encode("\n" + question, add_special_tokens=False)
     return list(ids), len(ids) - len(q_ids) - 8
 

@@ -325,6 +325,7 @@ def plot(res: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401
 
     policies = sorted({r["policy"] for r in res["results"]})
     kinds = [k for k in ("tokens", "fraction") if any(r["budget_kind"] == k for r in res["results"])]
@@ -341,6 +342,12 @@ def plot(res: dict, path: Path) -> None:
                 ax.plot(xs, [r[metric] for r in rs], marker="o", color=cmap(i % 20), label=pol)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            ticks = sorted({r["budget_value"] * (100 if kind == "fraction" else 1) for r in res["results"]
+                            if r["budget_kind"] == kind})
+            ax.set_xticks(ticks, [f"{t:g}" + ("%" if kind == "fraction" else "") for t in ticks])
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.2g"))
             ax.set_xlabel("tokens per KV head" if kind == "tokens" else "% of context kept")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3, which="both")

@@ -68,7 +68,7 @@ BIN = Path(sys.executable).parent
 SERVED_NAME = "smollm2"
 
 QUICK = dict(output_lens=[64, 256], num_prompts=12, max_concurrency=12, pools=[160], policies=["snapkv"],
-             offline_prompts=4, offline_output_len=256)
+             offline_prompts=4, offline_output_len=128)
 FULL = dict(output_lens=[64, 256, 512], num_prompts=24, max_concurrency=24, pools=[160, 320],
             policies=["snapkv", "contour"], offline_prompts=64, offline_output_len=256)
 
@@ -657,6 +657,8 @@ def run_server_config(cfg: dict, opts, out: Path, pbar, model_dir: str, env: dic
                 errs = [e for e in res.get("errors", []) if e][:3]
                 row["errors_sample"] = errs
             rows.append(row)
+            record["runs"].append(row)
+            _save(record, out)  # partial results survive a later failure or Ctrl-C
             pbar.update(1)
             tqdm_write(f"  {tag} L={L}: {row['output_throughput']:.1f} out tok/s, {row['request_throughput']:.3f} "
                        f"req/s, peak running {row['peak_running']:.0f}, peak KV {row['peak_kv_usage']:.2f}, "
@@ -964,9 +966,7 @@ def main(argv=None) -> int:
         if not opts.no_serve:
             for pool in opts.pools:
                 for cfg in configs:
-                    rows = run_server_config({**cfg, "pool": pool}, opts, out, pbar, opts.model, env, record)
-                    record["runs"].extend(rows)
-                    _save(record, out)
+                    run_server_config({**cfg, "pool": pool}, opts, out, pbar, opts.model, env, record)
             record["ratios"] = ratio_table(record["runs"])
             record["overhead"] = finalize_overhead(record["runs"], record["servers"])
             _save(record, out)
@@ -989,6 +989,9 @@ def main(argv=None) -> int:
         record["status"] = status
         record["wall_s"] = time.time() - t_start
         record["host"]["loadavg_at_end"] = os.getloadavg()
+        if record["runs"] and not record["ratios"]:  # a failed run: tables of what was measured
+            record["ratios"] = ratio_table(record["runs"])
+            record["overhead"] = finalize_overhead(record["runs"], record["servers"])
         if record["runs"] or record["offline"]:
             try:
                 record["plots"] = make_plots(record["runs"], record["offline"], out)

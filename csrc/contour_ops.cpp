@@ -443,34 +443,58 @@ void accumulate_moments(Tensor kc, Tensor vc, Tensor page_ids, Tensor offsets, T
 }
 
 // -------------------------------------------------------------------------- ragged_decode_attention
+// int32 or int64 index tensor of up to 3 dims, any strides (no conversion pass)
+struct Idx {
+  const void* p;
+  bool i64;
+  int64_t s0, s1, s2;
+  explicit Idx(const Tensor& t) : p(t.data_ptr()), i64(t.scalar_type() == at::kLong) {
+    TORCH_CHECK(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, "index tensors must be int32 or int64");
+    s0 = t.dim() > 0 ? t.stride(0) : 0;
+    s1 = t.dim() > 1 ? t.stride(1) : 0;
+    s2 = t.dim() > 2 ? t.stride(2) : 0;
+  }
+  inline int64_t operator()(int64_t a, int64_t b = 0, int64_t c = 0) const {
+    const int64_t o = a * s0 + b * s1 + c * s2;
+    return i64 ? static_cast<const int64_t*>(p)[o] : static_cast<const int32_t*>(p)[o];
+  }
+};
+
+template <typename T>
+inline float load_scalar(const T* p) {
+  return static_cast<float>(*p);
+}
+
 inline float log_add_exp(float a, float b) {
   const float m = std::max(a, b);
   if (m == kNegInf) return kNegInf;
   return m + std::log1p(std::exp(-std::fabs(a - b)));
 }
 
-template <typename T>
-void decode_kernel(const float* q, Cache<T> K, Cache<T> V, int64_t D, const int64_t* pt, int64_t P,
-                   const int64_t* sl, int64_t T_, int64_t H, int64_t G, float scale, const float* mn,
-                   const float* msk, const float* msv, const float* msvk, float* out, float* lse) {
+// TQ: query and output element type (the cache type, or float)
+template <typename T, typename TQ>
+void decode_kernel(const TQ* q, int64_t qs0, int64_t qs1, int64_t qs2, Cache<T> K, Cache<T> V, int64_t D,
+                   Idx pt, int64_t P, Idx sl, int64_t T_, int64_t H, int64_t G, float scale, const float* mn,
+                   const float* msk, const float* msv, const float* msvk, TQ* out, float* lse) {
   const int64_t bs = K.bs;
   const bool k_transposed = K.s2 == 1 && K.s3 != 1 && D > 1;
 #pragma omp parallel
   {
-    std::vector<float> qs(G * D), acc(G * D), kb(bs * D), vb(4 * D), lg(G * bs), m(G), l(G), tmp(D);
+    std::vector<float> qs(G * D), acc(G * D), kb(bs * D), vb(4 * D), lg(G * bs), m(G), l(G), tmp(D), ob(G * D),
+        lb(G);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t th = 0; th < T_ * H; ++th) {
       const int64_t t = th / H, h = th % H;
-      const int64_t L = sl[th];
+      const int64_t L = sl(t, h);
       const int64_t qrow = (t * H + h) * G;  // first query row of this KV head's group
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qs[g * D + d] = q[(qrow + g) * D + d] * scale;
+        for (int64_t d = 0; d < D; ++d) qs[g * D + d] = load_scalar(q + t * qs0 + (h * G + g) * qs1 + d * qs2) * scale;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), kNegInf);
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t npages = L > 0 ? std::min<int64_t>(P, (L + bs - 1) / bs) : 0;
       for (int64_t p = 0; p < npages; ++p) {
-        const int64_t page = pt[th * P + p];
+        const int64_t page = pt(t, h, p);
         const int64_t n = std::min(bs, L - p * bs);
         if (k_transposed) {  // key page stored [D, bs] (vLLM's CPU vec kernels): logits by columns
           const T* base = K.row(page, 0);
@@ -518,7 +542,7 @@ void decode_kernel(const float* q, Cache<T> K, Cache<T> V, int64_t D, const int6
         }
       }
       for (int64_t g = 0; g < G; ++g) {
-        float* o = out + (qrow + g) * D;
+        float* o = ob.data() + g * D;
         const float* a = acc.data() + g * D;
         float lse_r = kNegInf;
         if (l[g] > 0.f) {
@@ -528,31 +552,37 @@ void decode_kernel(const float* q, Cache<T> K, Cache<T> V, int64_t D, const int6
         } else {
           for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
         }
-        lse[qrow + g] = lse_r;
+        lb[g] = lse_r;
       }
-      if (mn == nullptr) continue;
       // evicted-part estimate (vllm_contour.moments.merge_evicted), fused
-      const float cnt = mn[th];
-      if (!(cnt > 0.f)) continue;
-      const float* Sk = msk + th * D;
-      const float* Sv = msv + th * D;
-      const float* Svk = msvk + th * D * D;
-      const float inv_n = 1.f / cnt, log_n = std::log(cnt);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = qs.data() + g * D;  // scaled query
-        const float qsk = dot(qg, Sk, D);     // scale * q . sum_k
-        const float log_ze = log_n + qsk * inv_n;
-        // scale * S~ q = sum_vk (scale q) - sum_v (mu . scale q)
-        for (int64_t d = 0; d < D; ++d) tmp[d] = dot(Svk + d * D, qg, D);
-        float* o = out + (qrow + g) * D;
-        const float lse_r = lse[qrow + g];
-        const float w = lse_r == kNegInf ? 0.f : 1.f / (1.f + std::exp(log_ze - lse_r));
-        const float mu_q = qsk * inv_n;
-        for (int64_t d = 0; d < D; ++d) {
-          const float fe = Sv[d] * inv_n + (tmp[d] - Sv[d] * mu_q) * inv_n;
-          o[d] = w * o[d] + (1.f - w) * fe;
+      const float cnt = mn != nullptr ? mn[th] : 0.f;
+      if (cnt > 0.f) {
+        const float* Sk = msk + th * D;
+        const float* Sv = msv + th * D;
+        const float* Svk = msvk + th * D * D;
+        const float inv_n = 1.f / cnt, log_n = std::log(cnt);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qs.data() + g * D;  // scaled query
+          const float qsk = dot(qg, Sk, D);     // scale * q . sum_k
+          const float log_ze = log_n + qsk * inv_n;
+          // scale * S~ q = sum_vk (scale q) - sum_v (mu . scale q)
+          for (int64_t d = 0; d < D; ++d) tmp[d] = dot(Svk + d * D, qg, D);
+          float* o = ob.data() + g * D;
+          const float lse_r = lb[g];
+          const float w = lse_r == kNegInf ? 0.f : 1.f / (1.f + std::exp(log_ze - lse_r));
+          const float mu_q = qsk * inv_n;
+          for (int64_t d = 0; d < D; ++d) {
+            const float fe = Sv[d] * inv_n + (tmp[d] - Sv[d] * mu_q) * inv_n;
+            o[d] = w * o[d] + (1.f - w) * fe;
+          }
+          lb[g] = log_add_exp(lse_r, log_ze);
         }
-        lse[qrow + g] = log_add_exp(lse_r, log_ze);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        TQ* o = out + (qrow + g) * D;
+        const float* a = ob.data() + g * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<TQ>(a[d]);
+        lse[qrow + g] = lb[g];
       }
     }
   }
@@ -572,21 +602,26 @@ std::tuple<Tensor, Tensor> ragged_decode_attention(Tensor query, Tensor kc, Tens
               "page_table must be [T, H, P]");
   TORCH_CHECK(seq_lens.numel() == T_ * H, "seq_lens must be [T, H]");
   const int64_t P = page_table.size(2);
-  Tensor pt = as_long(page_table), sl = as_long(seq_lens);
+  const Tensor sl2 = seq_lens.dim() == 2 ? seq_lens : seq_lens.reshape({T_, H});  // keeps a copy alive
+  const Idx pt(page_table), sl(sl2);
   {
-    const int64_t* s = sl.data_ptr<int64_t>();
-    const int64_t* p = pt.data_ptr<int64_t>();
     const int64_t pages = kc.size(0) * H, bs = kc.size(2);
-    for (int64_t i = 0; i < T_ * H; ++i) {
-      TORCH_CHECK(s[i] <= P * bs, "seq_lens[", i, "] = ", s[i], " exceeds the page table (", P, " x ", bs, ")");
-      const int64_t np = s[i] > 0 ? (s[i] + bs - 1) / bs : 0;
-      for (int64_t j = 0; j < np; ++j)
-        TORCH_CHECK(p[i * P + j] >= 0 && p[i * P + j] < pages, "page id ", p[i * P + j], " outside the cache");
-    }
+    for (int64_t t = 0; t < T_; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t L = sl(t, h);
+        TORCH_CHECK(L <= P * bs, "seq_lens[", t, ", ", h, "] = ", L, " exceeds the page table (", P, " x ", bs, ")");
+        const int64_t np = L > 0 ? (L + bs - 1) / bs : 0;
+        for (int64_t j = 0; j < np; ++j) {
+          const int64_t id = pt(t, h, j);
+          TORCH_CHECK(id >= 0 && id < pages, "page id ", id, " outside the cache");
+        }
+      }
   }
-  Tensor q = query.to(at::kFloat).contiguous();
+  // the query is read in its own dtype when it matches the cache (else as fp32); the output has its dtype
+  const bool same = query.scalar_type() == kc.scalar_type();
+  const Tensor q = same ? query : query.to(at::kFloat);
   Tensor out = at::empty({T_, Hq, D}, q.options());
-  Tensor lse = at::empty({T_, Hq}, q.options());
+  Tensor lse = at::empty({T_, Hq}, q.options().dtype(at::kFloat));
   const bool has_m = n.has_value();
   Tensor mn, msk, msv, msvk;
   if (has_m) {
@@ -599,15 +634,22 @@ std::tuple<Tensor, Tensor> ragged_decode_attention(Tensor query, Tensor kc, Tens
                     msvk.numel() == T_ * H * D * D,
                 "moments must be n [T, H], sum_k/sum_v [T, H, D], sum_vk [T, H, D, D]");
   }
+  const float* pm[4] = {has_m ? mn.data_ptr<float>() : nullptr, has_m ? msk.data_ptr<float>() : nullptr,
+                        has_m ? msv.data_ptr<float>() : nullptr, has_m ? msvk.data_ptr<float>() : nullptr};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kc.scalar_type(), "ragged_decode_attention", [&] {
-    decode_kernel<scalar_t>(q.data_ptr<float>(), cache_view<scalar_t>(kc), cache_view<scalar_t>(vc), D,
-                            pt.data_ptr<int64_t>(), P, sl.data_ptr<int64_t>(), T_, H, Hq / H,
-                            static_cast<float>(scale), has_m ? mn.data_ptr<float>() : nullptr,
-                            has_m ? msk.data_ptr<float>() : nullptr, has_m ? msv.data_ptr<float>() : nullptr,
-                            has_m ? msvk.data_ptr<float>() : nullptr, out.data_ptr<float>(),
-                            lse.data_ptr<float>());
+    if (same) {
+      decode_kernel<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), q.stride(2),
+                                        cache_view<scalar_t>(kc), cache_view<scalar_t>(vc), D, pt, P, sl, T_, H,
+                                        Hq / H, static_cast<float>(scale), pm[0], pm[1], pm[2], pm[3],
+                                        out.data_ptr<scalar_t>(), lse.data_ptr<float>());
+    } else {
+      decode_kernel<scalar_t, float>(q.data_ptr<float>(), q.stride(0), q.stride(1), q.stride(2),
+                                     cache_view<scalar_t>(kc), cache_view<scalar_t>(vc), D, pt, P, sl, T_, H,
+                                     Hq / H, static_cast<float>(scale), pm[0], pm[1], pm[2], pm[3],
+                                     out.data_ptr<float>(), lse.data_ptr<float>());
+    }
   });
-  return {query.scalar_type() == at::kFloat ? out : out.to(query.scalar_type()), lse};
+  return {same || query.scalar_type() == at::kFloat ? out : out.to(query.scalar_type()), lse};
 }
 
 }  // namespace

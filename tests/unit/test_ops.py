@@ -127,6 +127,25 @@ def test_decode_matches_reference(cpp, layout, dtype, with_moments):
         torch.testing.assert_close(got_l, want_l, rtol=1e-5, atol=1e-4)
 
 
+def test_decode_query_dtype_and_index_types(cpp):
+    """fp32 query on a bf16 cache (output in the query dtype), int64 / non-contiguous tables."""
+    _, k, v = make_cache("cpu_keyT", NB, H, BS, D, torch.bfloat16, seed=11)
+    pt, sl = decode_case(12, NB, H, BS, t_rows=3)
+    q = torch.randn(3, H * G, D)
+    want_o, want_l = ragged_decode_attention_ref(q, k, v, pt, sl, 0.2)
+    pt_nc = pt.long().transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
+    sl_nc = sl.t().contiguous().t()
+    for table, lens, query in ((pt.long(), sl.long(), q), (pt_nc, sl_nc, q), (pt, sl, q.transpose(0, 1).contiguous()
+                                                                               .transpose(0, 1))):
+        got_o, got_l = ops.ragged_decode_attention(query, k, v, table, lens, 0.2, impl=cpp)
+        assert got_o.dtype == torch.float32
+        torch.testing.assert_close(got_o, want_o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_l, want_l, rtol=1e-5, atol=1e-5)
+    got_o, _ = ops.ragged_decode_attention(q.half(), k, v, pt, sl, 0.2, impl=cpp)  # fp16 query, bf16 cache
+    assert got_o.dtype == torch.float16
+    torch.testing.assert_close(got_o.float(), want_o, rtol=2e-3, atol=2e-3)
+
+
 def test_decode_equals_dense_attention_over_explicit_tokens(cpp):
     """Independent oracle: gather each list's tokens by hand and run plain attention."""
     _, k, v = make_cache("cpu_keyT", NB, H, 32, 64, seed=3)
