@@ -625,8 +625,6 @@ def plot(res: dict, path: Path) -> None:
                  title="(iii) pi(s): renormalised vs least-squares weights")
     ax[1][0].set_xticks(sizes, [str(s) for s in sizes])
     ax[1][0].xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    ax[1][0].set_xticks(sizes, [str(s) for s in sizes])
-    ax[1][0].xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax[1][0].legend(fontsize=8)
     m = res["moment"]
     labels = [f"{x['policy']}@{x['budget']}" for x in m]

