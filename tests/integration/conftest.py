@@ -13,6 +13,20 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 _CACHE: dict[str, dict] = {}
+_RUN_DIR: Path | None = None
+
+
+def _engine_dir() -> Path:
+    """Per-session folder for engine specs, logs and results (CONTOUR_ENGINE_DIR pins one, e.g. to reuse
+    results across runs with CONTOUR_REUSE_ENGINES=1 while developing)."""
+    global _RUN_DIR
+    if os.environ.get("CONTOUR_ENGINE_DIR"):
+        return Path(os.environ["CONTOUR_ENGINE_DIR"])
+    if _RUN_DIR is None:
+        import tempfile
+
+        _RUN_DIR = Path(tempfile.mkdtemp(prefix="contour-engines-"))
+    return _RUN_DIR
 
 
 def default_model() -> str:
@@ -27,11 +41,11 @@ BASE_LLM = dict(dtype="float32", enforce_eager=True, block_size=32, enable_prefi
 
 
 def run_engine(name: str, llm_kwargs: dict, scenarios: list[str], env: dict | None = None,
-               tmp_root: Path | None = None, **spec_extra) -> dict:
+               **spec_extra) -> dict:
     if name in _CACHE:
         return _CACHE[name]
     reuse = os.environ.get("CONTOUR_REUSE_ENGINES")  # developer aid: reuse results of an earlier run
-    out_dir = Path(tmp_root or os.environ.get("TMPDIR", "/tmp")) / "contour-engines"
+    out_dir = _engine_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = {"llm": llm_kwargs, "scenarios": scenarios, **spec_extra}
     spec_path = out_dir / f"{name}.spec.json"
@@ -90,3 +104,4 @@ def evicting(model_dir):
                       ["greedy", "free_blocks", "concurrency", "preempt_abort", "presets"],
                       greedy_extra_args={"kv_budget": 100000},
                       free_cases=[[2000, None], [2000, {"kv_policy": "streaming"}], [1000, {"kv_budget": 256}]])
+

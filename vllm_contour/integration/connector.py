@@ -106,6 +106,10 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._scale: float | None = None
         self.timers = {"policy_s": 0.0, "compact_s": 0.0, "evictions": 0}
         self._stats = ContourStats()
+        import os
+
+        logger.info("kv_eviction: %s-side connector ready (pid %d): %s", role.name.lower(), os.getpid(),
+                    self.config.to_dict())
 
     @property
     def requires_kv_delivery(self) -> bool:
