@@ -4,7 +4,6 @@ scorers, and the audit's byte accounting on synthetic caches of known size."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,11 +28,6 @@ class WordTok:
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
         assert not tokenize
         return "<|user|>\n" + messages[0]["content"] + "<|end|>\n<|assistant|>\n"
-
-
-def _model_dir():
-    d = Path.home() / ".cache" / "vllm-contour" / "models" / "smollm2"
-    return d if (d / "tokenizer.json").exists() or (d / "tokenizer_config.json").exists() else None
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +80,12 @@ def test_vt_chain_present(tok):
         assert f"VAR {names[i]} = VAR {names[i - 1]}." in s["text"]
 
 
-@pytest.mark.skipif(_model_dir() is None, reason="converted model not cached")
 def test_real_tokenizer_lengths():
     from transformers import AutoTokenizer
 
-    t = AutoTokenizer.from_pretrained(str(_model_dir()))
+    from vllm_contour.models import fetch_model
+
+    t = AutoTokenizer.from_pretrained(str(fetch_model("smollm2", quiet=True)))
     s = ruler.make_sample(t, "niah_single_noise", 1024, 0)
     assert len(s["ids"]) + s["max_new"] <= 1024
     assert t.decode(s["ids"][s["context_len"]:]).lstrip().startswith("What are all the special magic numbers")
