@@ -22,9 +22,11 @@ os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
 
 
-def make_prompt(tok, context_tokens: int, depth: float, key: int) -> tuple[list[int], int]:
-    """Chat-formatted prompt whose haystack has ~context_tokens tokens, the needle at relative depth.
-    Returns the token ids and the number of tokens before the question (the context boundary)."""
+def make_prompt(tok, context_tokens: int, depth: float, key: int, chat: bool = False) -> tuple[list[int], int]:
+    """Prompt whose haystack has ~context_tokens tokens, the needle at relative depth; plain completion
+    text by default (a chat-formatted run on 2026-11-30 scored 1/10 even with the full cache: the model
+    answered "The pass key is a magical key..."). Returns the token ids and the number of tokens before the
+    question (the context boundary)."""
     needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
     intro = "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
     filler_ids = tok.encode(FILLER, add_special_tokens=False)
@@ -33,11 +35,14 @@ def make_prompt(tok, context_tokens: int, depth: float, key: int) -> tuple[list[
     parts.insert(int(round(depth * n_fill)), needle)
     question = "What is the pass key? The pass key is"
     content = intro + "".join(parts)
-    text = tok.apply_chat_template([{"role": "user", "content": content + "\n" + question}],
-                                   add_generation_prompt=True, tokenize=False)
+    if chat:
+        text = tok.apply_chat_template([{"role": "user", "content": content + "\n" + question}],
+                                       add_generation_prompt=True, tokenize=False)
+    else:
+        text = content + "\n" + question
     ids = tok.encode(text, add_special_tokens=False)
     q_ids = tok.encode("\n" + question, add_special_tokens=False)
-    return list(ids), len(ids) - len(q_ids) - 8
+    return list(ids), len(ids) - len(q_ids) - (8 if chat else 0)
 
 
 def run(args) -> dict:
@@ -55,7 +60,7 @@ def run(args) -> dict:
     for i in range(args.trials):
         depth = (i + 0.5) / args.trials
         key = rnd.randrange(10000, 99999)
-        ids, ctx = make_prompt(tok, args.context, depth, key)
+        ids, ctx = make_prompt(tok, args.context, depth, key, chat=args.chat)
         trials.append({"depth": depth, "key": key, "ids": ids, "context_len": ctx})
     n_tokens = len(trials[0]["ids"])
     configs = [("full", "none", None)]
@@ -107,6 +112,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--context", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     args = ap.parse_args()
     if args.quick:
         args.trials, args.budgets = 3, "128,512"

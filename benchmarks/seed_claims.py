@@ -234,7 +234,7 @@ def local_search(a: torch.Tensor, v: torch.Tensor, o: torch.Tensor, keep: torch.
 def refit_error(v: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     """Least-squares (free, unconstrained weights) error ``min_w ||o - v^T w||``: v ``[N, s, D]``, o ``[N, D]``."""
     vt = v.double().transpose(1, 2)  # [N, D, s]
-    w = torch.linalg.lstsq(vt, o.double().unsqueeze(-1), driver="gelsd").solution
+    w = torch.linalg.lstsq(vt, o.double().unsqueeze(-1), driver="gelsy").solution
     return (o.double() - (vt @ w).squeeze(-1)).norm(dim=-1)
 
 

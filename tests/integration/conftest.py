@@ -64,7 +64,7 @@ def run_engine(name: str, llm_kwargs: dict, scenarios: list[str], env: dict | No
     with open(log_path, "w") as log:
         proc = subprocess.run([sys.executable, "-m", "tests.integration.engine_driver", str(spec_path),
                                str(out_path)], cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
-                              timeout=900)
+                              timeout=2400)
     if proc.returncode != 0 or not out_path.exists():
         tail = log_path.read_text()[-6000:]
         raise RuntimeError(f"engine {name} failed (rc {proc.returncode}); log tail:\n{tail}")

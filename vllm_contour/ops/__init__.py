@@ -111,5 +111,15 @@ except ImportError:
 
 from . import cpu_ext as _cpu_ext  # noqa: E402,F401  (registers "cpp" when vllm_contour._C imports)
 
+
+def _prefer(op: str, name: str) -> None:
+    lst = _IMPLS[op]
+    lst.sort(key=lambda e: e[0] != name)  # stable: only moves ``name`` to the front
+
+
+# Decode without moments on vLLM's CPU layout: vLLM's own kernel first (validated end to end to give
+# stock vLLM's greedy tokens when nothing is evicted); the C++ kernel serves LSE / moment correction.
+_prefer("ragged_decode_attention", "vllm_cpu")
+
 __all__ = ["compact", "accumulate_moments", "ragged_decode_attention", "register_impl", "available",
            "compact_ref", "accumulate_moments_ref", "ragged_decode_attention_ref", "dense_attention_ref"]
