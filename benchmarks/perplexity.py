@@ -218,6 +218,18 @@ def keep_masks(policy, prefix: dict, queries: dict, scales: dict, context_len: i
     return masks, kept_total / (n_layers * next(iter(prefix.values()))[0].shape[0])
 
 
+def release_memory() -> None:
+    """Hand freed heap back to the OS (glibc ``malloc_trim``). Without it the many short-lived large
+    temporaries of the batched forwards, interleaved with small long-lived result tensors, fragment the
+    heap and RSS grows by ~0.5 GB per batch (measured: 1.2 -> 6 GB over a quick run). No-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def token_metrics(full_logits: torch.Tensor, comp_logits: torch.Tensor, targets: torch.Tensor):
     """Per-token NLL under both and KL(full || compressed). logits ``[N, V]``, targets ``[N]``."""
     lf = torch.log_softmax(full_logits.double(), dim=-1)
@@ -290,6 +302,8 @@ def run(args) -> dict:
                 a["kl"].append(kl)
                 a["kept"].append(kept)
                 bar.update(0.5)
+            del logits
+            release_memory()
     bar.close()
 
     nll_full = torch.cat(nll_full_all)
@@ -378,7 +392,7 @@ def print_table(res: dict) -> None:
         for p in pols:
             print(f"{p:<20}" + "".join(fmt.format(by[(p, b)][metric]) if (p, b) in by else f"{'-':>8}"
                                        for b in budgets))
-    print(f"\n(kept tokens per head for fraction budgets: "
+    print("\n(kept tokens per head for fraction budgets: "
           + ", ".join(f"{n}={by[(pols[0], b)]['kept_tokens_per_head']:.0f}" for n, b in zip(names, budgets)
                       if b[0] == "fraction") + ")")
 

@@ -383,7 +383,7 @@ def run(args) -> dict:
 
     from vllm_contour.policies import build_policy
 
-    from .perplexity import capture_context, forward_capture, load_model, STATE
+    from .perplexity import STATE, forward_capture, load_model, release_memory
     from .text import token_passages
 
     t0 = time.time()
@@ -413,7 +413,7 @@ def run(args) -> dict:
         for layer in range(n_layers):
             q, k, v = cap.pop(layer)
             scale = STATE.scales[layer]
-            hq, hkv = q.shape[0], k.shape[0]
+            hq = q.shape[0]
             # (ii) strided rows over the second half, all heads
             pos2 = torch.arange(t // 2, t, args.auc_stride)
             a2, o2, kvh, _ = _attention_rows(q, k, v, pos2, scale)
@@ -439,6 +439,7 @@ def run(args) -> dict:
                 for kk, val in dct.items():
                     acc.setdefault(kk, []).append(val)
             del q, k, v
+            release_memory()
             bar.update(1)
     bar.close()
     return summarise(args, sizes, ceil_acc, auc_acc, mom_acc, time.time() - t0, len(passages))

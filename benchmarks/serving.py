@@ -22,9 +22,10 @@ the client's per-request timings with the same definition as vLLM's client:
 running requests and KV usage (from the poll), preemptions, and the ratio eviction / stock for each.
 
 Eviction overhead = (``policy_seconds`` + ``compact_seconds``) as a percentage of the prefill time of the
-compacted prompts. Primary estimate of that prefill time: ``prefill_tokens_evicted_from`` / the stock
-server's prefill throughput, measured by a timed probe (one ``input_len``-token request with
-``max_tokens=1`` after a warm-up request). Secondary (lower bound on the overhead): relative to the sum of
+compacted prompts. Primary estimate of that prefill time: ``prefill_tokens_evicted_from`` / the prefill
+throughput of the same server, measured by a timed probe (one ``input_len``-token request with
+``max_tokens=1`` after a warm-up request; on an eviction server the probe's own policy + compaction seconds,
+read from the counters, are subtracted). Secondary (lower bound on the overhead): relative to the sum of
 the requests' TTFTs, which also contains queueing.
 
 Offline variant: ``LLM.generate`` on a batch of long prompts (random token ids, same pool, each engine in
@@ -208,8 +209,10 @@ def timeline_summary(samples: list[dict]) -> dict[str, float]:
     kv_usage, ...}`` (each sample holds until the next one)."""
     if not samples:
         return {"peak_running": float("nan"), "mean_running": float("nan"), "peak_kv_usage": float("nan"),
-                "mean_kv_usage": float("nan"), "peak_waiting": float("nan")}
+                "mean_kv_usage": float("nan"), "peak_waiting": float("nan"), "mean_loadavg": float("nan")}
+    loads = [s["load1"] for s in samples if "load1" in s]
     out = {"peak_running": max(s["running"] for s in samples),
+           "mean_loadavg": sum(loads) / len(loads) if loads else float("nan"),
            "peak_kv_usage": max(s["kv_usage"] for s in samples),
            "peak_waiting": max(s.get("waiting", 0.0) for s in samples)}
     if len(samples) == 1:
@@ -483,7 +486,8 @@ class MetricsPoller(threading.Thread):
                      "running": metric(totals, "vllm:num_requests_running", 0.0),
                      "waiting": metric(totals, "vllm:num_requests_waiting", 0.0),
                      "kv_usage": metric(totals, "vllm:kv_cache_usage_perc", 0.0),
-                     "preemptions": metric(totals, "vllm:num_preemptions", 0.0)}
+                     "preemptions": metric(totals, "vllm:num_preemptions", 0.0),
+                     "load1": os.getloadavg()[0]}
                 for c in ("evicted_requests", "freed_blocks"):
                     v = metric(totals, "vllm:contour_" + c)
                     if v is not None:
@@ -571,11 +575,17 @@ def probe_prefill(server: Server, input_len: int, seed: int) -> dict:
     url = server.base_url + "/v1/completions"
     http_post(url, {"model": SERVED_NAME, "prompt": "Hello, my name is", "max_tokens": 4, "temperature": 0})
     ids = random_token_prompt(input_len, seed + 12345)
+    before = metric_totals(http_get(server.base_url + "/metrics"))
     t0 = time.time()
     out = http_post(url, {"model": SERVED_NAME, "prompt": ids, "max_tokens": 1, "temperature": 0})
     dt = time.time() - t0
+    time.sleep(1.0)  # connector stats reach /metrics with the next stats update
+    after = metric_totals(http_get(server.base_url + "/metrics"))
+    d = counter_deltas(before, after, ["vllm:contour_policy_seconds", "vllm:contour_compact_seconds"])
+    evict_s = sum(d.values())
     n = out.get("usage", {}).get("prompt_tokens", len(ids))
-    return {"prompt_tokens": n, "seconds": dt, "tok_per_s": n / dt}
+    return {"prompt_tokens": n, "seconds": dt, "eviction_seconds": evict_s, "tok_per_s": n / dt,
+            "prefill_tok_per_s": n / max(1e-9, dt - evict_s), "loadavg": os.getloadavg()}
 
 
 def serve_flags(*, pool: int, block_size: int, max_model_len: int, policy: str | None, budget: int) -> list[str]:
@@ -705,7 +715,7 @@ def offline_worker(spec_path: str, out_path: str) -> None:
             try:
                 samples.append({"t": round(time.time() - t_gen, 3), "running": float(len(sched.running)),
                                 "waiting": float(len(sched.waiting)),
-                                "kv_usage": float(pool.get_usage())})
+                                "kv_usage": float(pool.get_usage()), "load1": os.getloadavg()[0]})
             except Exception:
                 pass
             stop.wait(spec.get("poll_interval", 0.5))
@@ -831,30 +841,34 @@ ROW_COLS = [("config", "config"), ("pool", "pool"), ("output_len", "L"), ("reque
             ("output_throughput", "out tok/s"), ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
             ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"), ("peak_running", "peak running"),
             ("mean_running", "mean running"), ("peak_kv_usage", "peak KV"), ("preemptions", "preempt"),
-            ("duration_s", "duration s")]
+            ("duration_s", "duration s"), ("mean_loadavg", "host load")]
 RATIO_COLS = [("config", "config"), ("pool", "pool"), ("output_len", "L"), ("request_throughput", "req/s x"),
               ("output_throughput", "out tok/s x"), ("ttft_p50_ms", "TTFT p50 x"), ("ttft_p99_ms", "TTFT p99 x"),
               ("tpot_p50_ms", "TPOT p50 x"), ("tpot_p99_ms", "TPOT p99 x"), ("peak_running", "peak running x"),
               ("mean_running", "mean running x")]
 OVERHEAD_COLS = [("config", "config"), ("pool", "pool"), ("output_len", "L"), ("evicted_requests", "evicted"),
                  ("freed_blocks", "freed blocks"), ("policy_ms_per_request", "policy ms/req"),
-                 ("compact_ms_per_request", "compact ms/req"), ("overhead_pct_of_prefill", "% of prefill"),
+                 ("compact_ms_per_request", "compact ms/req"), ("prefill_tok_per_s", "prefill tok/s"),
+                 ("overhead_pct_of_prefill", "% of prefill"),
                  ("overhead_pct_of_ttft_sum", "% of sum TTFT")]
 OFFLINE_COLS = [("config", "config"), ("pool", "pool"), ("num_prompts", "prompts"), ("output_len", "L"),
                 ("generate_s", "generate s"), ("output_tok_per_s", "out tok/s"), ("total_tok_per_s", "total tok/s"),
-                ("peak_running", "peak running"), ("mean_running", "mean running"), ("peak_kv_usage", "peak KV")]
+                ("peak_running", "peak running"), ("mean_running", "mean running"), ("peak_kv_usage", "peak KV"),
+                ("mean_loadavg", "host load")]
 
 
 def finalize_overhead(rows: list[dict], servers: list[dict]) -> list[dict]:
     """Fill the prefill-throughput-based overhead now that the stock probe of the same pool is known."""
     stock_tps = {s["pool"]: s["probe"]["tok_per_s"] for s in servers if s["config"] == "stock"}
+    own_tps = {(s["config"], s["pool"]): s["probe"].get("prefill_tok_per_s") for s in servers}
     table = []
     for r in rows:
         if not r.get("policy") or r.get("contour") is None:
             continue
-        tps = stock_tps.get(r["pool"])
+        tps = own_tps.get((r["config"], r["pool"])) or stock_tps.get(r["pool"])
         r["overhead"] = eviction_overhead(r["contour"], tps, r.get("ttft_sum_s"))
-        r["overhead"]["prefill_tok_per_s_stock_probe"] = tps
+        r["overhead"]["prefill_tok_per_s"] = tps
+        r["overhead"]["prefill_tok_per_s_stock_probe"] = stock_tps.get(r["pool"])
         table.append({"config": r["config"], "pool": r["pool"], "output_len": r["output_len"],
                       "evicted_requests": r["contour"].get("evicted_requests"),
                       "freed_blocks": r["contour"].get("freed_blocks"), **r["overhead"]})
@@ -945,7 +959,10 @@ def main(argv=None) -> int:
         "notes": {
             "tpot": "(latency - ttft) / (output_tokens - 1) per request, percentiles with linear interpolation",
             "overhead_pct_of_prefill": "(policy_seconds + compact_seconds) / (prefill_tokens_evicted_from / "
-                                       "prefill tok/s of the stock server's timed probe)",
+                                       "prefill tok/s of the same server's timed probe, net of the probe's own "
+                                       "policy+compact seconds; the stock probe if missing)",
+            "loadavg": "1-min load average of the shared 2-core host, sampled with every poll: other jobs on "
+                       "the host slow both configurations, and unequal load between them biases the ratios",
             "overhead_pct_of_ttft_sum": "(policy_seconds + compact_seconds) / sum of TTFTs (TTFT includes "
                                         "queueing: a lower bound on the overhead)",
             "kv_usage": "vllm:kv_cache_usage_perc (fraction of the pool) polled every poll_interval s",

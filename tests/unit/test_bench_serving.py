@@ -100,6 +100,9 @@ def test_timeline_summary_time_weighted():
     assert s["mean_kv_usage"] == pytest.approx((0.5 + 0.9 * 3) / 4)
     assert math.isnan(timeline_summary([])["peak_running"])
     assert timeline_summary([{"t": 3.0, "running": 4, "kv_usage": 0.2}])["mean_running"] == 4
+    assert math.isnan(s["mean_loadavg"])
+    loaded = [dict(x, load1=l) for x, l in zip(samples, (1.0, 2.0, 6.0))]
+    assert timeline_summary(loaded)["mean_loadavg"] == pytest.approx(3.0)
 
 
 def test_ratio_table_pairs_by_pool_and_length():
