@@ -58,7 +58,7 @@ def server(tmp_path_factory):
                 if proc.poll() is not None or time.time() - t0 > 900:
                     raise RuntimeError("server did not start:\n" + log.read_text()[-5000:])
                 time.sleep(1)
-        yield base, log
+        yield base, log, proc.pid
     finally:
         os.killpg(proc.pid, 15)
         try:
@@ -72,7 +72,7 @@ def _story(n):
 
 
 def test_completion_and_chat_with_eviction(server):
-    base, log = server
+    base, log, _ = server
     code, out = _post(base + "/v1/completions", {"model": "smollm2", "prompt": _story(80) + "\nSummary:",
                                                  "max_tokens": 16, "temperature": 0})
     assert code == 200 and out["usage"]["prompt_tokens"] > 500
@@ -88,7 +88,7 @@ def test_completion_and_chat_with_eviction(server):
 def test_streaming_chat_and_completion(server):
     from openai import OpenAI
 
-    base, _ = server
+    base, _, _ = server
     client = OpenAI(base_url=base + "/v1", api_key="x")
     chunks = list(client.chat.completions.create(
         model="smollm2", stream=True, max_tokens=12, temperature=0,
@@ -102,7 +102,7 @@ def test_streaming_chat_and_completion(server):
 @pytest.mark.parametrize("xargs, word", [({"kv_budget": 0}, "kv_budget"), ({"kv_policy": "nope"}, "kv_policy"),
                                          ({"kv_buget": 5}, "kv_buget")])
 def test_bad_request_args_get_400_and_server_survives(server, xargs, word):
-    base, _ = server
+    base, _, _ = server
     code, out = _post(base + "/v1/chat/completions", {"model": "smollm2", "max_tokens": 4,
                                                       "messages": [{"role": "user", "content": "hi"}],
                                                       "vllm_xargs": xargs})
@@ -113,8 +113,10 @@ def test_bad_request_args_get_400_and_server_survives(server, xargs, word):
 
 def test_plugin_loaded_in_api_server_engine_core_and_worker(server):
     """register() ran in the API server and the engine core (each logs it); the worker either registers
-    itself (spawn) or inherits the registration (fork): its connector and backend run there either way."""
-    _, log = server
+    itself (spawn) or inherits the registration (fork): its connector and backend run there either way. With
+    vLLM's single-process executor the worker lives inside the engine-core process (same pid as the
+    scheduler-side connector); with a multiprocess executor it is its own process. Never the API server."""
+    _, log, api_pid = server
     text = log.read_text().splitlines()
     reg = [l for l in text if "vllm-contour plugin registered" in l]
     assert any("MainProcess" in l or "APIServer" in l for l in reg), reg
@@ -122,8 +124,10 @@ def test_plugin_loaded_in_api_server_engine_core_and_worker(server):
     sched = [l for l in text if "scheduler-side connector ready" in l]
     worker = [l for l in text if "worker-side connector ready" in l]
     assert sched and worker, (sched, worker)
-    pid = lambda line: line.split("(pid ")[1].split(")")[0]  # noqa: E731
-    assert {pid(l) for l in worker}.isdisjoint({pid(l) for l in sched})  # a separate worker process
+    pid = lambda line: line.split("(pid ")[1].split(")")[0].split(",")[0]  # noqa: E731
+    assert str(api_pid) not in {pid(l) for l in worker} | {pid(l) for l in sched}
+    eng = {pid(l) for l in reg if "EngineCore" in l}
+    assert {pid(l) for l in sched} <= eng  # the scheduler side runs in the engine core
 
 
 def test_help_lists_flags_and_policies():
