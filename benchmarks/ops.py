@@ -177,6 +177,75 @@ def bench_decode(tokens: int, dtype, key_layout: str, reps: int, impls: list[str
     return {"tokens": tokens, "times": res, "max_abs_diff_cpp_vs_vllm_native": check}
 
 
+# ------------------------------------------------------------------------------ compacted vs uncompacted
+def bench_compacted_vs_full(context: int, budget: int, tail: int, dtype, key_layout: str, reps: int,
+                            impls: list[str], vllm):
+    """One decode step of a request with ``context`` logical tokens: uncompacted (vLLM's kernel over all
+    ``context + tail`` tokens of a normal block table) vs compacted to ``budget`` tokens per KV head on
+    average (heads hold different whole-page counts, lanes borrowed) plus the same dense ``tail`` of
+    decoded tokens, read through the ragged decode op (``default`` = what the backend dispatches to for a
+    row without moment correction)."""
+    g = torch.Generator().manual_seed(context + 7)
+    q = torch.randn(1, H * G, D, generator=g).to(dtype)
+    scale = D ** -0.5
+    total_pages = min(H * (context // BS), H * max(1, budget // BS))
+    w = torch.rand(H, generator=g) + 0.3
+    pages = (w / w.sum() * total_pages).floor().to(torch.int64).clamp(min=1)
+    pages[0] += total_pages - int(pages.sum())
+    k_blocks = -(-total_pages // H)
+    nb_c = k_blocks + 1  # + one dense tail block
+    kvs_c, views_c = make_layers(nb_c * BS, dtype, key_layout, seed=context)
+    perm = torch.randperm(k_blocks * H, generator=g)[:total_pages].tolist()
+    p_max = int(pages.max()) + 1
+    page_table = torch.zeros(1, H, p_max, dtype=torch.int32)
+    seq_lens = torch.zeros(1, H, dtype=torch.int32)
+    at = 0
+    for h in range(H):
+        n = int(pages[h])
+        page_table[0, h, :n] = torch.tensor(perm[at:at + n], dtype=torch.int32)
+        page_table[0, h, n] = k_blocks * H + h  # the tail: this head's lane of the dense block
+        seq_lens[0, h] = n * BS + tail
+        at += n
+
+    def run(impl):
+        def f():
+            for k, v in views_c:
+                ops.ragged_decode_attention(q, k, v, page_table, seq_lens, scale, impl=impl, native=True)
+        return f
+
+    fns = {f"compacted:{i}": run(None if i == "default" else i) for i in impls}
+    if vllm is not None:
+        vops, get_isa = vllm
+        n_full = context + tail
+        nb = -(-n_full // BS)
+        kvs, _ = make_layers(nb * BS, dtype, key_layout, seed=context + 1)
+        isa = get_isa(dtype, BS, D)
+        qsl = torch.tensor([0, 1], dtype=torch.int32)
+        sl = torch.tensor([n_full], dtype=torch.int32)
+        bt = torch.arange(nb, dtype=torch.int32).view(1, -1)
+        md = vops.cpu_attn_get_scheduler_metadata(
+            num_reqs=1, num_heads=H * G, num_kv_heads=H, head_dim=D, seq_lens=sl, dtype=dtype,
+            query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+        out = torch.empty(1, H * G, D, dtype=dtype)
+        halves = [kv.view(nb, H, 2 * BS, D) for kv in kvs]
+
+        def full():
+            for kv2 in halves:
+                vops.cpu_attention_with_kv_cache(
+                    query=q, key_cache=kv2[:, :, :BS], value_cache=kv2[:, :, BS:], output=out,
+                    query_start_loc=qsl, seq_lens=sl, scale=scale, causal=True, alibi_slopes=None,
+                    sliding_window=-1, block_table=bt, softcap=0.0, scheduler_metadata=md, s_aux=None)
+
+        fns["uncompacted:vllm_native"] = full
+    res = bench(fns, reps)
+    out_ = {"context": context, "budget": budget, "tail": tail, "pages_per_head": pages.tolist(),
+            "blocks_held": {"compacted": nb_c, "uncompacted": -(-(context + tail) // BS)}, "times": res}
+    if "uncompacted:vllm_native" in res:
+        out_["ratio_to_uncompacted"] = {k: res[k]["cpu_ms"] / res["uncompacted:vllm_native"]["cpu_ms"]
+                                        for k in res if k.startswith("compacted")}
+    return out_
+
+
 # ------------------------------------------------------------------------------------------------ report
 def plot(result: dict, path: Path):
     import matplotlib
@@ -184,7 +253,8 @@ def plot(result: dict, path: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+    cvf = result.get("compacted_vs_full") or []
+    fig, ax = plt.subplots(1, 3 if cvf else 2, figsize=(18 if cvf else 12, 4.5))
     for keep in sorted({r["keep"] for r in result["compaction"]}):
         rows = [r for r in result["compaction"] if r["keep"] == keep]
         for impl in [k for k in rows[0]["fraction_of_memcpy"] if k != "memcpy"]:
@@ -204,6 +274,15 @@ def plot(result: dict, path: Path):
         ticks = sorted({r["tokens"] for r in rows_})
         a.set_xticks(ticks, [str(x) for x in ticks])
         a.minorticks_off()
+    if cvf:
+        for k in cvf[0]["times"]:
+            ax[2].plot([r["context"] for r in cvf], [r["times"][k]["cpu_ms"] for r in cvf], "o-", label=k)
+        ticks = [r["context"] for r in cvf]
+        ax[2].set(xscale="log", yscale="log", xlabel="logical context (tokens)", ylabel="ms per decode step",
+                  title=f"one request: compacted to {cvf[0]['budget']}/head vs uncompacted")
+        ax[2].set_xticks(ticks, [str(x) for x in ticks])
+        ax[2].minorticks_off()
+        ax[2].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -235,6 +314,22 @@ def table(result: dict) -> str:
             s += "  " + " ".join(f"{t[i]['cpu_ms'] / t['vllm_native']['cpu_ms']:>14.2f}"
                                  for i in impls if i != "vllm_native")
         lines.append(s)
+    cvf = result.get("compacted_vs_full") or []
+    if cvf:
+        keys = list(cvf[0]["times"])
+        lines.append("")
+        lines.append(f"decode step of one request, compacted to {cvf[0]['budget']} tokens/head (+{cvf[0]['tail']} "
+                     f"tail) vs uncompacted at the same logical context (CPU ms, median; ratio = compacted / "
+                     f"uncompacted)")
+        lines.append(f"{'context':>7} {'blocks':>9} " + " ".join(f"{k:>24}" for k in keys) + "  " +
+                     " ".join(f"{k.split(':')[1] + ' ratio':>16}" for k in keys if k.startswith("compacted")))
+        for r in cvf:
+            b = r["blocks_held"]
+            s = f"{r['context']:>7} {str(b['compacted']) + '/' + str(b['uncompacted']):>9} " + \
+                " ".join(f"{r['times'][k]['cpu_ms']:>24.2f}" for k in keys)
+            if "ratio_to_uncompacted" in r:
+                s += "  " + " ".join(f"{r['ratio_to_uncompacted'][k]:>16.3f}" for k in keys if k.startswith("compacted"))
+            lines.append(s)
     return "\n".join(lines)
 
 
@@ -243,6 +338,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (~1 min)")
     ap.add_argument("--out", default="results/bench_ops")
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    ap.add_argument("--budget", type=int, default=128, help="tokens per KV head of the compacted request")
+    ap.add_argument("--tail", type=int, default=16, help="decoded tokens after the compacted run")
     a = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dtype = DTYPES[a.dtype]
@@ -265,18 +362,23 @@ def main(argv=None):
                  if i in ops.available("ragged_decode_attention", "cpu", native=True,
                                        key_cache=cpu_kv_views(torch.zeros(1, H, BS, 2 * D, dtype=dtype),
                                                               key_layout)[0])]
-    jobs = [("compaction", n, k) for n in comp_sizes for k in keeps] + [("decode", n, None) for n in dec_sizes]
+    jobs = [("compaction", n, k) for n in comp_sizes for k in keeps] + [("decode", n, None) for n in dec_sizes] \
+        + [("compacted_vs_full", n, None) for n in dec_sizes]
     result = {"config": {"layers": LAYERS, "kv_heads": H, "q_heads": H * G, "head_dim": D, "block_size": BS,
                          "dtype": a.dtype, "key_layout": key_layout, "threads": torch.get_num_threads(),
                          "reps": reps, "quick": a.quick, "torch": torch.__version__,
                          "cpu": platform.processor() or platform.machine(),
                          "vllm_isa": vllm[1](dtype, BS, D) if vllm else None},
-              "compaction": [], "decode": []}
+              "compaction": [], "decode": [], "compacted_vs_full": []}
     for kind, n, keep in tqdm(jobs, desc="benchmarks.ops"):
         if kind == "compaction":
             result["compaction"].append(bench_compaction(n, keep, dtype, key_layout, reps, comp_impls))
-        else:
+        elif kind == "decode":
             result["decode"].append(bench_decode(n, dtype, key_layout, max(3, reps // 2), dec_impls, vllm))
+        else:
+            cvf_impls = ["default"] + [i for i in ("cpp", "torch") if i in dec_impls]
+            result["compacted_vs_full"].append(bench_compacted_vs_full(n, a.budget, a.tail, dtype, key_layout,
+                                                                       reps, cvf_impls, vllm))
     (out / "ops.json").write_text(json.dumps(result, indent=1))
     plot(result, out / "ops.png")
     txt = table(result)

@@ -5,6 +5,12 @@ and budget through ``SamplingParams.extra_args`` (``kv_policy="none"`` = full ca
 tokens per KV head per layer and as fractions of the context. Writes ``passkey.json`` and ``passkey.png``.
 
     python -m benchmarks.passkey [--quick] [--out DIR] [--policies streaming,snapkv] [--budgets 128,512,1024]
+                                 [--modes aware,agnostic]
+
+Modes: ``aware`` = the policy scores the whole prompt, question included (common practice); ``agnostic`` =
+``kv_context_len`` marks where the question starts, scoring sees only the context and the question stays
+dense. The JSON is rewritten after every configuration, and ``--resume`` skips configurations already in it
+(same prompts: same seed, trials, context and model).
 """
 
 from __future__ import annotations
@@ -63,45 +69,109 @@ def run(args) -> dict:
         ids, ctx = make_prompt(tok, args.context, depth, key, chat=args.chat)
         trials.append({"depth": depth, "key": key, "ids": ids, "context_len": ctx})
     n_tokens = len(trials[0]["ids"])
-    configs = [("full", "none", None)]
-    budgets = [int(b) for b in args.budgets.split(",")]
-    fracs = [float(f) for f in args.fractions.split(",")] if args.fractions else []
-    for pol in args.policies.split(","):
-        for b in budgets:
-            configs.append((f"{pol}@{b}", pol, b))
-        for f in fracs:
-            configs.append((f"{pol}@{int(f * 100)}%", pol, max(32, int(f * n_tokens))))
-    results = {}
-    t0 = time.time()
-    for name, pol, budget in tqdm(configs, desc="configs"):
+    configs = config_list(args, n_tokens)
+    res = {"model": args.model, "prompt_tokens": n_tokens, "trials": args.trials, "seed": args.seed,
+           "context": args.context, "results": {}, "seconds": 0.0, "date": time.strftime("%Y-%m-%d"),
+           "machine": os.uname().nodename}
+    out_json = Path(args.out) / "passkey.json"
+    if args.resume and out_json.exists():
+        old = json.loads(out_json.read_text())
+        if all(old.get(k) == res[k] for k in ("model", "prompt_tokens", "trials", "seed", "context")):
+            res["results"], res["seconds"] = old["results"], old.get("seconds", 0.0)
+    t0 = time.time() - res["seconds"]
+    for name, pol, budget, mode in tqdm(configs, desc="configs"):
+        if name in res["results"]:
+            continue
         extra = {"kv_policy": pol} if budget is None else {"kv_policy": pol, "kv_budget": budget}
-        sp = SamplingParams(max_tokens=12, temperature=0, extra_args=extra)
-        outs = llm.generate([{"prompt_token_ids": t["ids"]} for t in trials], sp, use_tqdm=False)
+        sps = []
+        for t in trials:
+            e = dict(extra, kv_context_len=t["context_len"]) if mode == "agnostic" and budget else extra
+            sps.append(SamplingParams(max_tokens=10, temperature=0, extra_args=e))
+        outs = llm.generate([{"prompt_token_ids": t["ids"]} for t in trials], sps, use_tqdm=False)
         hits = [str(t["key"]) in o.outputs[0].text for t, o in zip(trials, outs)]
-        results[name] = {"policy": pol, "budget": budget, "correct": sum(hits), "trials": len(hits),
-                         "answers": [o.outputs[0].text for o in outs]}
-    return {"model": args.model, "prompt_tokens": n_tokens, "trials": args.trials, "results": results,
-            "seconds": time.time() - t0, "date": time.strftime("%Y-%m-%d"), "machine": os.uname().nodename}
+        res["results"][name] = {"policy": pol, "budget": budget, "mode": mode, "correct": sum(hits),
+                                "trials": len(hits), "answers": [o.outputs[0].text for o in outs]}
+        res["seconds"] = time.time() - t0
+        out_json.write_text(json.dumps(res, indent=1))
+    return res
+
+
+def config_list(args, n_tokens: int) -> list[tuple[str, str, int | None, str]]:
+    """(name, policy, budget per head or None for the full cache, mode) for every configuration."""
+    configs = [("full", "none", None, "aware")]
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    fracs = [float(f) for f in args.fractions.split(",")] if args.fractions else []
+    modes = [m.strip() for m in args.modes.split(",")]
+    for m in modes:
+        if m not in ("aware", "agnostic"):
+            raise SystemExit(f"--modes: unknown mode {m!r} (aware, agnostic)")
+    for pol in args.policies.split(","):
+        for mode in modes:
+            suffix = "" if mode == "aware" else "/agn"
+            for b in budgets:
+                configs.append((f"{pol}@{b}{suffix}", pol, b, mode))
+            for f in fracs:
+                configs.append((f"{pol}@{int(f * 100)}%{suffix}", pol, max(32, int(f * n_tokens)), mode))
+    return configs
+
+
+def table(res: dict) -> str:
+    """Policy x budget grid of correct/trials, one column per (budget, mode)."""
+    rows: dict[str, dict[str, str]] = {}
+    cols: list[str] = []
+    for name, r in res["results"].items():
+        if r["budget"] is None:
+            rows.setdefault("full cache", {})["all"] = f"{r['correct']}/{r['trials']}"
+            continue
+        col = name.split("@", 1)[1]
+        if col not in cols:
+            cols.append(col)
+        rows.setdefault(r["policy"], {})[col] = f"{r['correct']}/{r['trials']}"
+    cols = cols or ["all"]
+    head = f"{'policy':<20}" + "".join(f"{c:>11}" for c in cols)
+    lines = [head]
+    for pol, cells in rows.items():
+        if pol == "full cache":
+            lines.append(f"{pol:<20}" + f"{cells['all']:>11}" + " (every column)")
+        else:
+            lines.append(f"{pol:<20}" + "".join(f"{cells.get(c, '-'):>11}" for c in cols))
+    return "\n".join(lines)
 
 
 def plot(res: dict, path: Path) -> None:
+    """Heat map: one row per policy (full cache on top), one column per budget/mode, cells = correct."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(res["results"])
-    vals = [res["results"][n]["correct"] for n in names]
-    fig, ax = plt.subplots(figsize=(max(6, len(names) * 0.6), 3.5))
-    ax.bar(range(len(names)), vals)
-    ax.set_xticks(range(len(names)), names, rotation=60, ha="right")
-    ax.set_ylabel(f"correct / {res['trials']}")
+    pols, cols, cell = [], [], {}
+    for name, r in res["results"].items():
+        pol = "full cache" if r["budget"] is None else r["policy"]
+        col = "all" if r["budget"] is None else name.split("@", 1)[1]
+        if pol not in pols:
+            pols.append(pol)
+        if col != "all" and col not in cols:
+            cols.append(col)
+        cell[(pol, col)] = r["correct"]
+    cols = cols or ["all"]
+    grid = [[cell.get((p, c), cell.get((p, "all"), float("nan"))) for c in cols] for p in pols]
+    fig, ax = plt.subplots(figsize=(1.0 + 0.8 * len(cols), 1.0 + 0.35 * len(pols)))
+    im = ax.imshow(grid, vmin=0, vmax=res["trials"], cmap="viridis", aspect="auto")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            if v == v:
+                ax.text(j, i, f"{v:.0f}", ha="center", va="center", color="w" if v < res["trials"] / 2 else "k")
+    ax.set_xticks(range(len(cols)), cols, rotation=45, ha="right")
+    ax.set_yticks(range(len(pols)), pols)
+    fig.colorbar(im, ax=ax, label=f"correct / {res['trials']}")
+    ax.set_xlabel("budget (tokens per head); /agn = query-agnostic")
     ax.set_title(f"passkey, {res['prompt_tokens']}-token prompt ({res['model']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 trials, budgets 128,512")
     ap.add_argument("--out", default="results")
@@ -113,7 +183,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    args = ap.parse_args()
+    ap.add_argument("--modes", default="aware", help="aware,agnostic (see above)")
+    ap.add_argument("--resume", action="store_true", help="keep configurations already in the JSON")
+    args = ap.parse_args(argv)
     if args.quick:
         args.trials, args.budgets = 3, "128,512"
     out = Path(args.out)
@@ -121,9 +193,7 @@ def main() -> None:
     res = run(args)
     (out / "passkey.json").write_text(json.dumps(res, indent=1))
     plot(res, out / "passkey.png")
-    print(f"{'config':<22}{'correct':>8}")
-    for name, r in res["results"].items():
-        print(f"{name:<22}{r['correct']:>5}/{r['trials']}")
+    print(table(res))
     print(f"prompt tokens {res['prompt_tokens']}, {res['seconds']:.0f} s -> {out / 'passkey.json'}")
 
 

@@ -119,8 +119,14 @@ def evict_request(
             evicted = torch.ones((h, region), dtype=torch.bool)
             for hh, k in enumerate(sel.kept):
                 evicted[hh, k] = False
-            packed_moments.append(mom_math.pack(
-                mom_math.accumulate(keys[:, :region], values[:, :region], evicted)))
+            # statistics of the evicted tokens, read where they still sit (before this layer's compaction)
+            hd, tok = evicted.nonzero(as_tuple=True)
+            page_ids = blocks[tok // bs] * h + hd
+            stats = {"n": torch.zeros(h), "sum_k": torch.zeros(h, d), "sum_v": torch.zeros(h, d),
+                     "sum_vk": torch.zeros(h, d, d)}
+            ops.accumulate_moments(kc, vc, page_ids, tok % bs, hd, stats)
+            packed_moments.append(mom_math.pack(mom_math.Moments(stats["n"], stats["sum_k"], stats["sum_v"],
+                                                                 stats["sum_vk"])))
         pages[layer] = torch.tensor([k.numel() // bs for k in sel.kept], dtype=torch.int64)
     t1 = time.perf_counter()
 

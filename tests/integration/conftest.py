@@ -101,7 +101,16 @@ def evicting(model_dir):
     everything (budget >= prompt), which still runs compaction (a pure permutation) and the ragged path."""
     return run_engine("snapkv128", dict(BASE_LLM, model=model_dir,
                                         additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
-                      ["greedy", "free_blocks", "concurrency", "preempt_abort", "presets"],
+                      ["greedy", "greedy_evicted", "free_blocks", "concurrency", "preempt_abort", "presets"],
                       greedy_extra_args={"kv_budget": 100000},
                       free_cases=[[2000, None], [2000, {"kv_policy": "streaming"}], [1000, {"kv_budget": 256}]])
 
+
+
+@pytest.fixture(scope="session")
+def evicting_torch_ops(model_dir):
+    """The same eviction engine with every op forced to the torch reference implementation."""
+    return run_engine("snapkv128_torch_ops",
+                      dict(BASE_LLM, model=model_dir,
+                           additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
+                      ["greedy_evicted"], env={"VLLM_CONTOUR_OPS_IMPL": "torch"})

@@ -201,7 +201,36 @@ def run_presets(llm, spec, res):
     res["presets_evicted"] = conn.stats.evicted_requests
 
 
-SCENARIOS = {"presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
+def run_greedy_evicted(llm, spec, res):
+    """Greedy decoding of real eviction at a small budget (snapkv 64 per head), moments off and on: the
+    tokens depend on which op implementations ran (compaction, moments, ragged decode), which the result
+    records from the ops dispatch."""
+    from vllm import SamplingParams
+
+    from vllm_contour import ops
+
+    tok = llm.get_tokenizer()
+    prompts = _text_prompts(tok, [300, 650, 1100], 5)
+    engine = llm.llm_engine
+    before = dict(ops.CALLS)
+    labels = []
+    for i, p in enumerate(prompts):
+        for moments in (False, True):
+            extra = {"kv_policy": "snapkv", "kv_budget": 64, "kv_moment_correction": moments}
+            labels.append(f"ge{i}{'m' if moments else ''}")
+            engine.add_request(labels[-1], {"prompt_token_ids": p},
+                               SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, extra_args=extra))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+    res["greedy_evicted"] = {k: outs.get(k) for k in labels}
+    res["greedy_evicted_calls"] = {f"{op}:{name}": n - before.get((op, name), 0)
+                                   for (op, name), n in ops.CALLS.items() if n - before.get((op, name), 0)}
+
+
+SCENARIOS = {"greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
              "preempt_abort": run_preempt_abort}
 
 

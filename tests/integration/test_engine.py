@@ -81,3 +81,17 @@ def test_every_preset_runs_query_aware_and_agnostic_and_with_moments(evicting):
             assert presets[label] is not None and len(presets[label]) == 6, label
     assert presets["snapkv/moments"] is not None and presets["knorm/moments"] is not None
     assert evicting["presets_evicted"] >= len(presets)
+
+
+def test_fast_ops_give_the_torch_reference_greedy_tokens(evicting, evicting_torch_ops):
+    """Real eviction at 64 tokens per head, moment correction off and on: the default implementations
+    (C++ compaction, moment accumulation and ragged decode) produce exactly the greedy tokens of the torch
+    reference ops."""
+    fast, ref = evicting["greedy_evicted_calls"], evicting_torch_ops["greedy_evicted_calls"]
+    assert fast.get("compact:cpp", 0) > 0 and fast.get("accumulate_moments:cpp", 0) > 0, fast
+    assert fast.get("ragged_decode_attention:cpp", 0) > 0, fast
+    assert not any(k.endswith(":torch") for k in fast), fast
+    assert set(ref) == {"compact:torch", "accumulate_moments:torch", "ragged_decode_attention:torch"}, ref
+    out = evicting["greedy_evicted"]
+    assert all(v and len(v) == 24 for v in out.values()), out
+    assert out == evicting_torch_ops["greedy_evicted"]

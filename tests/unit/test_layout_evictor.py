@@ -178,7 +178,9 @@ def test_moment_pages_are_counted_and_round_trip():
                 evicted[hh, j] = False
         want = mm.accumulate(keys0[layer], vals0[layer], evicted)
         torch.testing.assert_close(got["n"], want.n)
-        torch.testing.assert_close(got["sum_vk"], want.sum_vk)
+        # fp32 sums over ~600 tokens in another order (the C++ op accumulates per token)
+        for key, w in (("sum_k", want.sum_k), ("sum_v", want.sum_v), ("sum_vk", want.sum_vk)):
+            torch.testing.assert_close(got[key], w, rtol=1e-4, atol=1e-4)
 
 
 def test_query_agnostic_keeps_question_dense_and_ignores_it():

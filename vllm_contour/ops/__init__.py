@@ -27,6 +27,10 @@ _IMPLS: dict[str, list[tuple[str, Callable, Callable[..., bool]]]] = {
 }
 
 
+# (op, implementation) -> number of calls dispatched in this process (tests and benchmarks read it).
+CALLS: dict[tuple[str, str], int] = {}
+
+
 def register_impl(op: str, name: str, fn: Callable, supports: Callable[..., bool], first: bool = True):
     lst = _IMPLS[op]
     lst[:] = [e for e in lst if e[0] != name]
@@ -68,6 +72,7 @@ def _pick(op: str, impl: str | None, device_type: str, **kw) -> Callable:
         if impl is not None and name != impl:
             continue
         if ok(device_type, **kw):
+            CALLS[(op, name)] = CALLS.get((op, name), 0) + 1
             return fn
     if impl is not None:
         raise ValueError(f"op {op}: implementation {impl!r} is not available for device {device_type!r} "
@@ -112,14 +117,10 @@ except ImportError:
 from . import cpu_ext as _cpu_ext  # noqa: E402,F401  (registers "cpp" when vllm_contour._C imports)
 
 
-def _prefer(op: str, name: str) -> None:
-    lst = _IMPLS[op]
-    lst.sort(key=lambda e: e[0] != name)  # stable: only moves ``name`` to the front
-
-
-# Decode without moments on vLLM's CPU layout: vLLM's own kernel first (validated end to end to give
-# stock vLLM's greedy tokens when nothing is evicted); the C++ kernel serves LSE / moment correction.
-_prefer("ragged_decode_attention", "vllm_cpu")
+# Ranking on CPU: "cpp" (registered last) before "vllm_cpu" before "torch". The C++ kernel measured
+# 0.86-1.09x the time of vLLM's own kernel over the same tokens, "vllm_cpu" (vLLM's kernel driven with one
+# pseudo-request per head) 1.32-2.21x (benchmarks.ops, 2026-11-30); and vLLM's per-layer cache views in
+# the engine do not meet "vllm_cpu"'s stride condition. VLLM_CONTOUR_OPS_IMPL forces one implementation.
 
 __all__ = ["compact", "accumulate_moments", "ragged_decode_attention", "register_impl", "available",
            "compact_ref", "accumulate_moments_ref", "ragged_decode_attention_ref", "dense_attention_ref"]
