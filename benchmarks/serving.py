@@ -35,7 +35,7 @@ scheduler's running count and pool usage sampled from a thread.
 Writes ``serving.json`` (every number, the commands, environment, load average), ``serving.md`` (the
 tables), ``throughput.png``, ``timeline.png``, ``raw/`` (vLLM's result files) and ``logs/``.
 
-    python -m benchmarks.serving [--quick] [--out DIR]
+    python -m benchmarks.serving [--quick] [--out DIR] [--output-lens 64 256 512] [--request-rate inf 0.05 0.1]
 
 ``--client cli`` runs ``vllm-contour bench serve ...`` as a subprocess for every run (what the JSON's
 ``commands`` list shows); the default ``inprocess`` parses exactly that argument list with vLLM's own
@@ -246,19 +246,19 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def ratio_table(rows: list[dict], baseline: str = "stock", metrics: Iterable[str] = RUN_METRICS,
-                keys: tuple[str, ...] = ("pool", "output_len")) -> list[dict]:
+                keys: tuple[str, ...] = ("pool", "output_len", "request_rate")) -> list[dict]:
     """For every non-baseline row, ``metric / baseline metric`` for the baseline row with the same
     ``keys`` (rows: ``{"config": ..., "pool": ..., "output_len": ..., <metrics>}``). Rows without a matching
     baseline are skipped; a ratio is None where the baseline is 0 or missing."""
-    base = {tuple(r[k] for k in keys): r for r in rows if r["config"] == baseline}
+    base = {tuple(r.get(k) for k in keys): r for r in rows if r["config"] == baseline}
     out = []
     for r in rows:
         if r["config"] == baseline:
             continue
-        b = base.get(tuple(r[k] for k in keys))
+        b = base.get(tuple(r.get(k) for k in keys))
         if b is None:
             continue
-        entry = {"config": r["config"], **{k: r[k] for k in keys}}
+        entry = {"config": r["config"], **{k: r.get(k) for k in keys}}
         for m in metrics:
             entry[m] = _ratio(r.get(m), b.get(m))
         out.append(entry)
@@ -617,21 +617,23 @@ def run_server_config(cfg: dict, opts, out: Path, pbar, model_dir: str, env: dic
                 "loadavg_at_start": os.getloadavg()}
         record["servers"].append(meta)
         pbar.update(1)
-        for L in opts.output_lens:
-            pbar.set_description(f"{tag} L={L}")
-            fname = f"{tag}_out{L}.json"
+        for rate, L in [(r, L) for r in opts.request_rate for L in opts.output_lens]:
+            rtag = "" if math.isinf(rate) else f"_rate{rate:g}"
+            pbar.set_description(f"{tag} L={L}{rtag}")
+            fname = f"{tag}_out{L}{rtag}.json"
             argv = bench_argv(base_url=server.base_url, model_dir=model_dir, input_len=opts.input_len,
                               output_len=L, num_prompts=opts.num_prompts, max_concurrency=opts.max_concurrency,
-                              request_rate=opts.request_rate, seed=opts.seed, result_dir=out / "raw",
+                              request_rate=rate, seed=opts.seed, result_dir=out / "raw",
                               result_filename=fname, label=tag)
-            record["commands"].append({"what": f"client {tag} L={L}", "argv": shlex.join(["vllm-contour", *argv])})
+            record["commands"].append({"what": f"client {tag} L={L}{rtag}",
+                                       "argv": shlex.join(["vllm-contour", *argv])})
             before = metric_totals(http_get(server.base_url + "/metrics"))
             load0 = os.getloadavg()
             poller = MetricsPoller(server.base_url, interval=opts.poll_interval)
             t0 = time.time()
             poller.start()
             try:
-                run_bench_client(argv, opts.client, env, out / "logs" / f"client_{tag}_out{L}.log")
+                run_bench_client(argv, opts.client, env, out / "logs" / f"client_{tag}_out{L}{rtag}.log")
             finally:
                 raw_samples = poller.stop()
             samples = active_window(raw_samples)
@@ -643,7 +645,7 @@ def run_server_config(cfg: dict, opts, out: Path, pbar, model_dir: str, env: dic
             contour = {k.removeprefix("vllm:contour_"): v for k, v in contour.items()}
             vllm_c = counter_deltas(before, after, VLLM_COUNTERS)
             lat = latency_summary(res)
-            row = {"config": name, "policy": policy, "pool": pool, "output_len": L,
+            row = {"config": name, "policy": policy, "pool": pool, "output_len": L, "request_rate": rate,
                    "input_len": opts.input_len, "num_prompts": opts.num_prompts,
                    "completed": res.get("completed"), "failed": res.get("failed"),
                    "duration_s": res.get("duration"), "wall_s": wall,
@@ -670,7 +672,7 @@ def run_server_config(cfg: dict, opts, out: Path, pbar, model_dir: str, env: dic
             record["runs"].append(row)
             _save(record, out)  # partial results survive a later failure or Ctrl-C
             pbar.update(1)
-            tqdm_write(f"  {tag} L={L}: {row['output_throughput']:.1f} out tok/s, {row['request_throughput']:.3f} "
+            tqdm_write(f"  {tag} L={L}{rtag}: {row['output_throughput']:.1f} out tok/s, {row['request_throughput']:.3f} "
                        f"req/s, peak running {row['peak_running']:.0f}, peak KV {row['peak_kv_usage']:.2f}, "
                        f"TPOT p50 {row['tpot_p50_ms']:.0f} ms, wall {wall:.0f} s")
     finally:
@@ -782,6 +784,8 @@ def make_plots(rows: list[dict], offline: list[dict], out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     files = []
+    all_rows = rows
+    rows = [r for r in rows if math.isinf(r.get("request_rate", math.inf))]  # throughput vs L: closed loop
     pools = sorted({r["pool"] for r in rows})
     configs = list(dict.fromkeys(r["config"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -813,13 +817,16 @@ def make_plots(rows: list[dict], offline: list[dict], out: Path) -> list[str]:
     plt.close(fig)
     files.append("throughput.png")
 
-    keys = sorted({(r["pool"], r["output_len"]) for r in rows})
+    rows = all_rows
+    keys = sorted({(r["pool"], r["output_len"], r.get("request_rate", math.inf)) for r in rows})
     panels = keys + ([("offline", None)] if offline else [])
     fig, axes = plt.subplots(len(panels), 2, figsize=(11, 2.6 * len(panels)), squeeze=False)
     for i, key in enumerate(panels):
         series = ([(o["config"], o["timeline"]) for o in offline] if key[0] == "offline" else
-                  [(r["config"], r["timeline"]) for r in rows if (r["pool"], r["output_len"]) == key])
-        title = ("offline LLM.generate" if key[0] == "offline" else f"serve, pool {key[0]}, L={key[1]}")
+                  [(r["config"], r["timeline"]) for r in rows
+                   if (r["pool"], r["output_len"], r.get("request_rate", math.inf)) == key])
+        title = ("offline LLM.generate" if key[0] == "offline" else
+                 f"serve, pool {key[0]}, L={key[1]}" + ("" if math.isinf(key[2]) else f", {key[2]:g} req/s"))
         for c, tl in series:
             axes[i][0].step([s["t"] for s in tl], [s["running"] for s in tl], where="post", label=c)
             axes[i][1].step([s["t"] for s in tl], [100 * s["kv_usage"] for s in tl], where="post", label=c)
@@ -837,16 +844,19 @@ def make_plots(rows: list[dict], offline: list[dict], out: Path) -> list[str]:
     return files
 
 
-ROW_COLS = [("config", "config"), ("pool", "pool"), ("output_len", "L"), ("request_throughput", "req/s"),
+ROW_COLS = [("config", "config"), ("pool", "pool"), ("output_len", "L"), ("request_rate", "arrivals/s"),
+            ("request_throughput", "req/s"),
             ("output_throughput", "out tok/s"), ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
             ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"), ("peak_running", "peak running"),
             ("mean_running", "mean running"), ("peak_kv_usage", "peak KV"), ("preemptions", "preempt"),
             ("duration_s", "duration s"), ("mean_loadavg", "host load")]
-RATIO_COLS = [("config", "config"), ("pool", "pool"), ("output_len", "L"), ("request_throughput", "req/s x"),
+RATIO_COLS = [("config", "config"), ("pool", "pool"), ("output_len", "L"), ("request_rate", "arrivals/s"),
+              ("request_throughput", "req/s x"),
               ("output_throughput", "out tok/s x"), ("ttft_p50_ms", "TTFT p50 x"), ("ttft_p99_ms", "TTFT p99 x"),
               ("tpot_p50_ms", "TPOT p50 x"), ("tpot_p99_ms", "TPOT p99 x"), ("peak_running", "peak running x"),
               ("mean_running", "mean running x")]
-OVERHEAD_COLS = [("config", "config"), ("pool", "pool"), ("output_len", "L"), ("evicted_requests", "evicted"),
+OVERHEAD_COLS = [("config", "config"), ("pool", "pool"), ("output_len", "L"), ("request_rate", "arrivals/s"),
+                 ("evicted_requests", "evicted"),
                  ("freed_blocks", "freed blocks"), ("policy_ms_per_request", "policy ms/req"),
                  ("compact_ms_per_request", "compact ms/req"), ("prefill_tok_per_s", "prefill tok/s"),
                  ("overhead_pct_of_prefill", "% of prefill"),
@@ -870,14 +880,15 @@ def finalize_overhead(rows: list[dict], servers: list[dict]) -> list[dict]:
         r["overhead"]["prefill_tok_per_s"] = tps
         r["overhead"]["prefill_tok_per_s_stock_probe"] = stock_tps.get(r["pool"])
         table.append({"config": r["config"], "pool": r["pool"], "output_len": r["output_len"],
-                      "evicted_requests": r["contour"].get("evicted_requests"),
+                      "request_rate": r.get("request_rate"), "evicted_requests": r["contour"].get("evicted_requests"),
                       "freed_blocks": r["contour"].get("freed_blocks"), **r["overhead"]})
     return table
 
 
 def write_report(record: dict, out: Path) -> str:
     rows, ratios, over, offline = record["runs"], record["ratios"], record["overhead"], record["offline"]
-    parts = ["## Serving runs", markdown_table(rows, ROW_COLS), "", "## Ratio eviction / stock (same pool, same L)",
+    parts = ["## Serving runs", markdown_table(rows, ROW_COLS), "",
+             "## Ratio eviction / stock (same pool, same L, same arrivals)",
              markdown_table(ratios, RATIO_COLS), "", "## Eviction overhead", markdown_table(over, OVERHEAD_COLS), ""]
     if offline:
         parts += ["## Offline LLM.generate", markdown_table(offline, OFFLINE_COLS), ""]
@@ -904,8 +915,9 @@ def parse_args(argv=None):
     p.add_argument("--output-lens", type=int, nargs="+")
     p.add_argument("--num-prompts", type=int)
     p.add_argument("--max-concurrency", type=int, help="client-side concurrency cap (default: num prompts)")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="Poisson arrivals at this rate (req/s); inf = all at once (default)")
+    p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
+                   help="one run per rate: Poisson arrivals at R req/s; inf = all at once, closed loop under "
+                        "--max-concurrency (default)")
     p.add_argument("--pools", type=int, nargs="+", help="KV pool sizes in blocks (--num-gpu-blocks-override)")
     p.add_argument("--policies", nargs="+")
     p.add_argument("--budget", type=int, default=128)
@@ -972,7 +984,8 @@ def main(argv=None) -> int:
                                   "vLLM's platform detection (SIGILL in vllm._C on AVX2 otherwise)",
         },
     }
-    n_serve = 0 if opts.no_serve else len(opts.pools) * len(configs) * (1 + len(opts.output_lens))
+    n_serve = 0 if opts.no_serve else \
+        len(opts.pools) * len(configs) * (1 + len(opts.output_lens) * len(opts.request_rate))
     n_off = 0 if opts.no_offline else len(configs) * len(opts.pools[:1])
     if opts.client == "inprocess" and not opts.no_serve:
         os.environ.setdefault("VLLM_TARGET_DEVICE", env["VLLM_TARGET_DEVICE"])

@@ -127,6 +127,18 @@ def test_ratio_table_pairs_by_pool_and_length():
     assert off == [{"config": "snapkv", "pool": 160, "x": 1.5, "missing": None}]
 
 
+def test_ratio_table_pairs_by_arrival_rate_and_rates_parse():
+    from benchmarks.serving import parse_args
+
+    inf = float("inf")
+    rows = [{"config": c, "pool": 160, "output_len": 64, "request_rate": r, "x": x}
+            for c, r, x in (("stock", inf, 2.0), ("stock", 0.05, 4.0), ("snapkv", inf, 3.0), ("snapkv", 0.05, 5.0))]
+    got = {r["request_rate"]: r["x"] for r in ratio_table(rows, metrics=("x",))}
+    assert got == {inf: pytest.approx(1.5), 0.05: pytest.approx(1.25)}
+    assert parse_args(["--quick"]).request_rate == [inf]
+    assert parse_args(["--quick", "--request-rate", "0.05", "inf"]).request_rate == [0.05, inf]
+
+
 def test_eviction_overhead():
     d = {"policy_seconds": 0.3, "compact_seconds": 0.1, "prefill_tokens_evicted_from": 8000.0,
          "evicted_requests": 4.0}
