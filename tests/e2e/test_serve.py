@@ -134,6 +134,7 @@ def test_help_lists_flags_and_policies():
     out = subprocess.run([str(BIN / "vllm-contour"), "serve", "--help=KVEviction"],
                          capture_output=True, text=True, timeout=180)
     text = out.stdout + out.stderr
-    for word in ("--kv-eviction-policy", "--kv-budget", "--kv-recent-window", "--kv-sink-tokens", "snapkv",
+    for word in ("--kv-eviction-policy", "--kv-budget", "--kv-recent-window", "--kv-sink-tokens",
+                 "--kv-moment-correction", "snapkv",
                  "streaming"):
         assert word in text, text[-2000:]

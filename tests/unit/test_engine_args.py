@@ -27,6 +27,23 @@ def test_flags_fold_into_additional_config(parser):
     assert ea.additional_config["kv_eviction"] == {"policy": "snapkv", "budget": "64", "recent_window": "16"}
 
 
+def test_moment_correction_flag(parser):
+    from vllm_contour.config import EvictionConfig
+
+    ea = engine_args(parser, ["--kv-eviction-policy", "knorm", "--kv-moment-correction"])
+    assert EvictionConfig.from_additional_config(ea.additional_config).moment_correction is True
+    ea = engine_args(parser, ["--kv-eviction-policy", "knorm", "--no-kv-moment-correction"])
+    assert EvictionConfig.from_additional_config(ea.additional_config).moment_correction is False
+    ea = engine_args(parser, ["--kv-eviction-policy", "knorm"])
+    assert "moment_correction" not in ea.additional_config["kv_eviction"]
+    ea = engine_args(parser, ["--additional-config", '{"kv_eviction": {"policy": "knorm", "moment_correction": true}}',
+                              "--kv-moment-correction"])  # same value twice: fine
+    assert EvictionConfig.from_additional_config(ea.additional_config).moment_correction is True
+    with pytest.raises(EvictionConfigError, match="--kv-moment-correction False contradicts"):
+        engine_args(parser, ["--additional-config", '{"kv_eviction": {"policy": "knorm", "moment_correction": true}}',
+                             "--no-kv-moment-correction"])
+
+
 def test_additional_config_json_and_dotted_forms(parser):
     ea = engine_args(parser, ["--additional-config", '{"kv_eviction": {"policy": "streaming", "budget": 32}}'])
     assert ea.additional_config["kv_eviction"]["policy"] == "streaming"

@@ -26,6 +26,7 @@ _FLAGS = {
     "kv_recent_window": "recent_window",
     "kv_sink_tokens": "sink_tokens",
     "kv_observation_window": "window",
+    "kv_moment_correction": "moment_correction",
 }
 
 # Server config seen in this process (API server / offline LLM); used to validate per-request keys.
@@ -52,6 +53,11 @@ def add_eviction_args(parser):
                        help="First prompt tokens every head keeps (attention sinks, default 4).")
     group.add_argument("--kv-observation-window", dest="kv_observation_window", type=str, default=None,
                        metavar="W", help="Last prompt queries that query-aware scorers look at (default 32).")
+    group.add_argument("--kv-moment-correction", dest="kv_moment_correction",
+                       action=argparse.BooleanOptionalAction, default=None,
+                       help="MomentKV: keep per-head moments of the evicted tokens (their pages count against "
+                            "the budget) and add the evicted part's closed-form estimate at decode; works with "
+                            "every policy (default off).")
     return parser
 
 
@@ -69,7 +75,7 @@ def fold_cli_args(args: argparse.Namespace, additional_config) -> dict | None:
     merged = dict(existing)
     for field, value in given.items():
         flag = "--" + [d for d, f in _FLAGS.items() if f == field][0].replace("_", "-")
-        if field in existing and str(existing[field]) != str(value):
+        if field in existing and str(existing[field]).lower() != str(value).lower():
             raise EvictionConfigError(
                 f"{flag} {value} contradicts --additional-config {ADDITIONAL_CONFIG_KEY}.{field}="
                 f"{json.dumps(existing[field])}; give it once")
