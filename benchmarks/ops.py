@@ -123,6 +123,31 @@ def bench_compaction(tokens: int, keep: float, dtype, key_layout: str, reps: int
     return out
 
 
+def vllm_native_decode(vllm, kvs, n_tokens: int, q, dtype, scale: float):
+    """``(step, out)``: ``step()`` runs vLLM's ``cpu_attention_with_kv_cache`` for one decode token of one
+    request over the first ``n_tokens`` of every layer cache in ``kvs`` (normal block table), writing
+    ``out``."""
+    vops, get_isa = vllm
+    nb = -(-n_tokens // BS)
+    isa = get_isa(dtype, BS, D)
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    sl = torch.tensor([n_tokens], dtype=torch.int32)
+    bt = torch.arange(nb, dtype=torch.int32).view(1, -1)
+    md = vops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=H * G, num_kv_heads=H, head_dim=D, seq_lens=sl, dtype=dtype,
+        query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+    out = torch.empty(1, H * G, D, dtype=dtype)
+    halves = [kv.view(kv.shape[0], H, 2 * BS, D) for kv in kvs]
+
+    def step():
+        for kv2 in halves:
+            vops.cpu_attention_with_kv_cache(
+                query=q, key_cache=kv2[:, :, :BS], value_cache=kv2[:, :, BS:], output=out,
+                query_start_loc=qsl, seq_lens=sl, scale=scale, causal=True, alibi_slopes=None,
+                sliding_window=-1, block_table=bt, softcap=0.0, scheduler_metadata=md, s_aux=None)
+    return step, out
+
+
 # ----------------------------------------------------------------------------------------------- decode
 def bench_decode(tokens: int, dtype, key_layout: str, reps: int, impls: list[str], vllm):
     g = torch.Generator().manual_seed(tokens)
@@ -149,24 +174,7 @@ def bench_decode(tokens: int, dtype, key_layout: str, reps: int, impls: list[str
         fns["cpp+moments"] = run("cpp", mom)
     check = None
     if vllm is not None:
-        vops, get_isa = vllm
-        isa = get_isa(dtype, BS, D)
-        qsl = torch.tensor([0, 1], dtype=torch.int32)
-        sl = torch.tensor([tokens], dtype=torch.int32)
-        bt = torch.arange(nb, dtype=torch.int32).view(1, -1)
-        md = vops.cpu_attn_get_scheduler_metadata(
-            num_reqs=1, num_heads=H * G, num_kv_heads=H, head_dim=D, seq_lens=sl, dtype=dtype,
-            query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
-        out = torch.empty(1, H * G, D, dtype=dtype)
-        halves = [kv.view(nb, H, 2 * BS, D) for kv in kvs]
-
-        def native():
-            for kv2 in halves:
-                vops.cpu_attention_with_kv_cache(
-                    query=q, key_cache=kv2[:, :, :BS], value_cache=kv2[:, :, BS:], output=out,
-                    query_start_loc=qsl, seq_lens=sl, scale=scale, causal=True, alibi_slopes=None,
-                    sliding_window=-1, block_table=bt, softcap=0.0, scheduler_metadata=md, s_aux=None)
-
+        native, out = vllm_native_decode(vllm, kvs, tokens, q, dtype, scale)
         fns["vllm_native"] = native
         if "cpp" in impls:  # same tokens, dense page table: our kernel must agree with vLLM's
             dense = (torch.arange(nb).view(1, 1, -1) * H + torch.arange(H).view(1, H, 1)).to(torch.int32)
@@ -215,27 +223,9 @@ def bench_compacted_vs_full(context: int, budget: int, tail: int, dtype, key_lay
 
     fns = {f"compacted:{i}": run(None if i == "default" else i) for i in impls}
     if vllm is not None:
-        vops, get_isa = vllm
         n_full = context + tail
-        nb = -(-n_full // BS)
-        kvs, _ = make_layers(nb * BS, dtype, key_layout, seed=context + 1)
-        isa = get_isa(dtype, BS, D)
-        qsl = torch.tensor([0, 1], dtype=torch.int32)
-        sl = torch.tensor([n_full], dtype=torch.int32)
-        bt = torch.arange(nb, dtype=torch.int32).view(1, -1)
-        md = vops.cpu_attn_get_scheduler_metadata(
-            num_reqs=1, num_heads=H * G, num_kv_heads=H, head_dim=D, seq_lens=sl, dtype=dtype,
-            query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
-        out = torch.empty(1, H * G, D, dtype=dtype)
-        halves = [kv.view(nb, H, 2 * BS, D) for kv in kvs]
-
-        def full():
-            for kv2 in halves:
-                vops.cpu_attention_with_kv_cache(
-                    query=q, key_cache=kv2[:, :, :BS], value_cache=kv2[:, :, BS:], output=out,
-                    query_start_loc=qsl, seq_lens=sl, scale=scale, causal=True, alibi_slopes=None,
-                    sliding_window=-1, block_table=bt, softcap=0.0, scheduler_metadata=md, s_aux=None)
-
+        kvs, _ = make_layers(-(-n_full // BS) * BS, dtype, key_layout, seed=context + 1)
+        full, _ = vllm_native_decode(vllm, kvs, n_full, q, dtype, scale)
         fns["uncompacted:vllm_native"] = full
     res = bench(fns, reps)
     out_ = {"context": context, "budget": budget, "tail": tail, "pages_per_head": pages.tolist(),
