@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import stamp
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -190,7 +192,7 @@ def main() -> None:
     res = {"model": args.model, "args": vars(args), "kvpress": kv_status, "engine": info, "timings": timings,
            "table": table, "rows": rows, "wall_seconds": time.time() - t_start, "date": time.strftime("%Y-%m-%d"),
            "samples": [{k: s[k] for k in ("task", "length", "idx", "context_len", "answers")} for s in samples]}
-    (out / "audit.json").write_text(json.dumps(res, indent=1))
+    (out / "audit.json").write_text(json.dumps(stamp(res), indent=1))
     plot(table, out / "audit.png")
     print(f"kvpress: {kv_status}")
     print(f"{'system':<14}{'press/policy':<20}{'budget':>8}{'MiB held':>10}{'unmasked':>10}{'accuracy':>10}")

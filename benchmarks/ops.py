@@ -39,6 +39,8 @@ from vllm_contour import ops  # noqa: E402
 from vllm_contour.layout import compaction_indices, plan_layout  # noqa: E402
 from vllm_contour.ops.cpu_layout import KEY_TRANSPOSED, cpu_kv_views  # noqa: E402
 
+from benchmarks import stamp
+
 LAYERS, H, G, D, BS = 30, 3, 3, 64, 32
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -369,7 +371,7 @@ def main(argv=None):
             cvf_impls = ["default"] + [i for i in ("cpp", "torch") if i in dec_impls]
             result["compacted_vs_full"].append(bench_compacted_vs_full(n, a.budget, a.tail, dtype, key_layout,
                                                                        reps, cvf_impls, vllm))
-    (out / "ops.json").write_text(json.dumps(result, indent=1))
+    (out / "ops.json").write_text(json.dumps(stamp(result, argv), indent=1))
     plot(result, out / "ops.png")
     txt = table(result)
     (out / "ops.txt").write_text(txt + "\n")

@@ -19,8 +19,11 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
+
+from benchmarks import stamp
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -92,7 +95,7 @@ def run(args) -> dict:
         res["results"][name] = {"policy": pol, "budget": budget, "mode": mode, "correct": sum(hits),
                                 "trials": len(hits), "answers": [o.outputs[0].text for o in outs]}
         res["seconds"] = time.time() - t0
-        out_json.write_text(json.dumps(res, indent=1))
+        out_json.write_text(json.dumps(stamp(res, getattr(args, "argv", None)), indent=1))
     return res
 
 
@@ -186,12 +189,13 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", default="aware", help="aware,agnostic (see above)")
     ap.add_argument("--resume", action="store_true", help="keep configurations already in the JSON")
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.quick:
         args.trials, args.budgets = 3, "128,512"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = run(args)
-    (out / "passkey.json").write_text(json.dumps(res, indent=1))
+    (out / "passkey.json").write_text(json.dumps(stamp(res, args.argv), indent=1))
     plot(res, out / "passkey.png")
     print(table(res))
     print(f"prompt tokens {res['prompt_tokens']}, {res['seconds']:.0f} s -> {out / 'passkey.json'}")

@@ -41,6 +41,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from benchmarks import stamp
+
 ATTN_NAME = "contour_bench"
 
 
@@ -430,7 +432,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = run(args)
-    (out / "perplexity.json").write_text(json.dumps(res, indent=1))
+    (out / "perplexity.json").write_text(json.dumps(stamp(res), indent=1))
     plot(res, out / "perplexity.png")
     print_table(res)
     print(f"{res['seconds']:.0f} s -> {out / 'perplexity.json'}, {out / 'perplexity.png'}")

@@ -38,6 +38,8 @@ import time
 import zlib
 from pathlib import Path
 
+from benchmarks import stamp
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -454,7 +456,7 @@ def main() -> None:
     res = {"model": args.model, "args": vars(args), "engine": info, "summary": summary, "rows": rows,
            "samples": [{k: v for k, v in s.items() if k not in ("ids", "text")} for s in samples],
            "wall_seconds": time.time() - t0, "date": time.strftime("%Y-%m-%d"), "machine": os.uname().nodename}
-    (out / "ruler.json").write_text(json.dumps(res, indent=1))
+    (out / "ruler.json").write_text(json.dumps(stamp(res), indent=1))
     plot(summary, lengths, out / "ruler.png", f"RULER-style tasks ({args.model}, {len(samples)} samples)")
     tasks = args.tasks.split(",")
     print(f"{'config':<34}" + "".join(f"{L:>7}" for L in lengths) + f"{'mean':>7}{'MiB held':>10}")

@@ -64,6 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from benchmarks import stamp
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SERVED_NAME = "smollm2"
@@ -1035,7 +1037,7 @@ def main(argv=None) -> int:
 
 
 def _save(record: dict, out: Path) -> None:
-    (out / "serving.json").write_text(json.dumps(record, indent=1, default=str))
+    (out / "serving.json").write_text(json.dumps(stamp(record), indent=1, default=str))
 
 
 if __name__ == "__main__":

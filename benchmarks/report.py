@@ -1,0 +1,293 @@
+"""Regenerate the README's result tables from the benchmarks' JSON outputs.
+
+The README holds one block per benchmark run set::
+
+    <!-- results:serving results/serving-quick/serving.json results/serving-512/serving.json -->
+    ...generated markdown...
+    <!-- /results:serving -->
+
+The opening marker names the renderer and the JSON files it reads (paths relative to the repository
+root). ``python -m benchmarks.report`` re-renders every block from those files and rewrites only the
+text between the markers; prose outside the blocks is left alone. ``--check`` exits 1 when the README
+is stale instead of writing it. A missing JSON is an error that names the block and the file.
+
+    python -m benchmarks.report [--readme README.md] [--check]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BLOCK = re.compile(r"<!-- results:(?P<name>[a-z_]+)(?P<srcs>(?: [^ >]+)*) -->\n(?P<body>.*?)<!-- /results:(?P=name) -->",
+                   re.S)
+
+
+def _f(v: Any, nd: int = 2) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return "-" if v != v else f"{v:.{nd}f}"
+    return str(v)
+
+
+def md_table(header: list[str], rows: list[list[Any]], nd: int = 2) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_f(c, nd) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def provenance(res: dict, name: str, src: str) -> str:
+    """One italic line: the command that produced ``res`` (when recorded), its date and wall time."""
+    argv = res.get("argv")
+    cmd = f"`python -m benchmarks.{name}{' ' + ' '.join(argv) if argv else ''}`" if argv is not None else None
+    bits = [cmd or f"`{src}`", res.get("date")]
+    wall = res.get("wall_seconds", res.get("wall_s", res.get("seconds")))
+    if isinstance(wall, (int, float)):
+        bits.append(f"{wall:.0f} s")
+    return "_" + " · ".join(b for b in bits if b) + "_"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Renderers: (list of (source path, parsed JSON)) -> markdown
+# ---------------------------------------------------------------------------------------------------
+
+def render_passkey(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    for src, res in runs:
+        cols: list[str] = []
+        rows: dict[str, dict[str, str]] = {}
+        for name, r in res["results"].items():
+            if r["budget"] is None:
+                rows.setdefault("full cache", {})["*"] = r["correct"]
+                continue
+            col = f"{r['budget']}{' agn' if r['mode'] == 'agnostic' else ''}"
+            if col not in cols:
+                cols.append(col)
+            rows.setdefault(r["policy"], {})[col] = r["correct"]
+        cols.sort(key=lambda c: (" agn" in c, int(c.split()[0])))
+        body = [[p] + [cells.get(c, cells.get("*", "-")) for c in cols] for p, cells in rows.items()]
+        out += [provenance(res, "passkey", src) + f" — {res['prompt_tokens']} prompt tokens, correct out of "
+                f"{res['trials']}; columns are tokens per KV head, `agn` = query-agnostic", "",
+                md_table(["policy"] + cols, body)]
+    return "\n".join(out)
+
+
+def render_serving(runs: list[tuple[str, dict]]) -> str:
+    ratio_rows, over_rows, off_rows = [], [], []
+    cmds = []
+    for src, res in runs:
+        cmds.append(provenance(res, "serving", src) + f" (host load "
+                    f"{_f(res.get('host', {}).get('loadavg_at_start', [None])[0], 1)}–"
+                    f"{_f(res.get('host', {}).get('loadavg_at_end', [None])[0], 1)})")
+        by = {(r["config"], r["pool"], r["output_len"], r.get("request_rate")): r for r in res["runs"]}
+        for q in res["ratios"]:
+            stock = by.get(("stock", q["pool"], q["output_len"], q.get("request_rate")), {})
+            ev = by.get((q["config"], q["pool"], q["output_len"], q.get("request_rate")), {})
+            rate = q.get("request_rate")
+            ratio_rows.append([q["config"], q["pool"], q["output_len"], "closed" if rate in (None, "inf") else rate,
+                               stock.get("output_throughput"), ev.get("output_throughput"), q["output_throughput"],
+                               f"{_f(stock.get('peak_running'), 0)} / {_f(ev.get('peak_running'), 0)}",
+                               q["tpot_p50_ms"], q["ttft_p50_ms"]])
+        for o in res.get("overhead") or []:
+            over_rows.append(o)
+        off = {r["config"]: r for r in res.get("offline") or []}
+        for q in res.get("offline_ratios") or []:
+            s, e = off.get("stock", {}), off.get(q["config"], {})
+            off_rows.append([q["config"], q["pool"], e.get("num_prompts"), e.get("output_len"),
+                             s.get("output_tok_per_s"), e.get("output_tok_per_s"), q["output_tok_per_s"],
+                             f"{_f(s.get('peak_running'), 0)} / {_f(e.get('peak_running'), 0)}"])
+    out = cmds + [""]
+    if ratio_rows:
+        out += [md_table(["policy", "pool", "L", "arrivals/s", "stock out tok/s", "evict out tok/s", "out tok/s x",
+                          "peak running stock / evict", "TPOT p50 x", "TTFT p50 x"], ratio_rows), ""]
+    if over_rows:
+        pct = [o["overhead_pct_of_prefill"] for o in over_rows if o.get("overhead_pct_of_prefill") is not None]
+        pol = [o["policy_ms_per_request"] for o in over_rows if o.get("policy_ms_per_request") is not None]
+        cmp_ = [o["compact_ms_per_request"] for o in over_rows if o.get("compact_ms_per_request") is not None]
+        if pct:
+            out += [f"Eviction overhead: {min(pct):.1f}–{max(pct):.1f} % of prefill time (scoring "
+                    f"{min(pol):.0f}–{max(pol):.0f} ms + compaction {min(cmp_):.0f}–{max(cmp_):.0f} ms per "
+                    f"request, from the plugin's own counters).", ""]
+    if off_rows:
+        out += [md_table(["offline policy", "pool", "prompts", "L", "stock out tok/s", "evict out tok/s",
+                          "out tok/s x", "peak running stock / evict"], off_rows), ""]
+    return "\n".join(out).rstrip("\n")
+
+
+def render_audit(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    for src, res in runs:
+        t = {(r["system"], r["method"], str(r["budget"])): r for r in res["table"]}
+        keys = []
+        for r in res["table"]:
+            k = (r["method"], str(r["budget"]))
+            if k not in keys and r["system"] == "kvpress":
+                keys.append(k)
+        from benchmarks.audit import PAIRS
+
+        rows = []
+        for press, budget in keys:
+            kv = t.get(("kvpress", press, budget), {})
+            ours = t.get(("vllm-contour", PAIRS.get(press, press), budget), {})
+            held = _f(kv.get("held_mib"))
+            if kv.get("unmasked_mib") is not None and abs(kv["unmasked_mib"] - kv["held_mib"]) > 0.01:
+                held = f"**{held}** ({_f(kv['unmasked_mib'])} unmasked)"
+            rows.append([press if press != "none" else "full cache", budget, held, kv.get("accuracy"),
+                         ours.get("held_mib"), ours.get("accuracy")])
+        n = len(res.get("samples", []))
+        out += [provenance(res, "audit", src) + f" — {n} samples, kvpress {res.get('kvpress')}", "",
+                md_table(["kvpress press", "budget", "kvpress MiB held", "kvpress accuracy",
+                          "vllm-contour MiB held", "vllm-contour accuracy"], rows, nd=2)]
+    return "\n".join(out)
+
+
+def render_ruler(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    for src, res in runs:
+        lengths = sorted({int(L) for c in res["summary"].values() for L in c["by_length"]})
+        rows = []
+        for name, c in res["summary"].items():
+            bl = {int(k): v for k, v in c["by_length"].items()}
+            rows.append([name] + [bl.get(L, {}).get("mean") for L in lengths] + [c["mean"],
+                                                                              c["mean_held_bytes"] / 2 ** 20])
+        a = res.get("args", {})
+        out += [provenance(res, "ruler", src) + f" — tasks {a.get('tasks')}, {a.get('samples')} sample(s) per task "
+                f"and length; RULER score ×100", "",
+                md_table(["config"] + [f"{L} tok" for L in lengths] + ["mean", "MiB held"], rows, nd=1)]
+    return "\n".join(out)
+
+
+def render_seed_claims(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    for src, res in runs:
+        rows = []
+        for s, c in res["ceiling"].items():
+            rows.append(["(i) median fraction of the top-mass gap the best subset closes", s,
+                         f"{c['median_fraction_closed']:.3f}", "0.02–0.05"])
+        for s, a in res["auc"].items():
+            rows.append(["(ii) ROC AUC, dropped mass → top-quartile error rows", s, f"{a['pooled']:.3f}",
+                         "0.76–0.89"])
+        paper_pi = {"4": "1.07", "32": "1.79"}
+        for s, p in res["pi"].items():
+            rows.append(["(iii) π(s) = forced / refit error", s, f"{p['median_pi_best']:.3f}",
+                         paper_pi.get(str(s), "")])
+        for m in res["moment"]:
+            rows.append(["(iv) moment-corrected / renormalised error; median cos(kept, evicted)",
+                         f"{m['policy']}@{m['budget']}",
+                         f"{m['mean_err_ratio_moment_over_renorm']:.3f}; {m['median_cos_kept_evicted']:.3f}",
+                         "< 1; ≈ 0"])
+        agree = ", ".join(f"{k} {'yes' if v.get('agrees', v.get('agrees_pooled')) else 'no'}"
+                          for k, v in res.get("agreement", {}).items())
+        out += [provenance(res, "seed_claims", src) + f" — {res['passages']} passages × {res['tokens']} tokens",
+                "", md_table(["claim", "s", "ours", "paper"], rows), "", f"Agreement (criteria in the JSON): {agree}."]
+    return "\n".join(out)
+
+
+def render_perplexity(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    for src, res in runs:
+        budgets: list[tuple[str, float]] = []
+        for r in res["results"]:
+            b = (r["budget_kind"], r["budget_value"])
+            if b not in budgets:
+                budgets.append(b)
+        names = [f"{int(v)}" if k == "tokens" else f"{round(v * 100)}%" for k, v in budgets]
+        by = {(r["policy"], (r["budget_kind"], r["budget_value"])): r for r in res["results"]}
+        pols = sorted({r["policy"] for r in res["results"]})
+        rows = [[p] + [by[(p, b)]["ppl_ratio"] if (p, b) in by else None for b in budgets] for p in pols]
+        out += [provenance(res, "perplexity", src) + f" — full-cache perplexity {res['ppl_full']:.2f} over "
+                f"{res['passages']} × {res['scored_tokens_per_passage']} tokens after a {res['context_tokens']}-token "
+                f"context; perplexity ratio to full cache", "",
+                md_table(["policy"] + names, rows, nd=2)]
+    return "\n".join(out)
+
+
+def render_ops(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    for src, res in runs:
+        comp = res["compaction"]
+        impls = [k for k in comp[0]["fraction_of_memcpy"] if k != "memcpy"]
+        frac = ", ".join(f"{i} {min(r['fraction_of_memcpy'][i] for r in comp):.2f}–"
+                         f"{max(r['fraction_of_memcpy'][i] for r in comp):.2f}" for i in impls)
+        rows = []
+        for r in res["decode"]:
+            t = r["times"]
+            nat = t.get("vllm_native", {}).get("cpu_ms")
+            rows.append([r["tokens"]] + [t[i]["cpu_ms"] / nat if nat else None for i in t if i != "vllm_native"])
+        dec_impls = [i for i in res["decode"][0]["times"] if i != "vllm_native"]
+        out += [provenance(res, "ops", src) + f" — {res['config']['dtype']}, {res['config']['threads']} thread(s)",
+                "", f"Compaction throughput as a fraction of a plain memcpy of the kept bytes: {frac}.", "",
+                md_table(["decode tokens"] + [f"{i} / vLLM native" for i in dec_impls], rows)]
+        cvf = res.get("compacted_vs_full") or []
+        if cvf:
+            keys = [k for k in cvf[0]["ratio_to_uncompacted"]]
+            rows = [[r["context"], f"{r['blocks_held']['compacted']} / {r['blocks_held']['uncompacted']}"] +
+                    [r["ratio_to_uncompacted"][k] for k in keys] for r in cvf]
+            out += ["", md_table(["context", "blocks held compacted / full"] +
+                                 [f"{k} time / uncompacted" for k in keys], rows, nd=3)]
+    return "\n".join(out)
+
+
+RENDERERS: dict[str, Callable[[list[tuple[str, dict]]], str]] = {
+    "passkey": render_passkey, "serving": render_serving, "audit": render_audit, "ruler": render_ruler,
+    "seed_claims": render_seed_claims, "perplexity": render_perplexity, "ops": render_ops,
+}
+
+
+def render_block(name: str, srcs: list[str], root: Path) -> str:
+    if name not in RENDERERS:
+        raise ValueError(f"README block 'results:{name}': unknown renderer (known: {', '.join(RENDERERS)})")
+    if not srcs:
+        raise ValueError(f"README block 'results:{name}' names no JSON file")
+    runs = []
+    for s in srcs:
+        p = root / s
+        if not p.is_file():
+            raise FileNotFoundError(f"README block 'results:{name}': {s} not found (run its benchmark first)")
+        runs.append((s, json.loads(p.read_text())))
+    return RENDERERS[name](runs)
+
+
+def regenerate(text: str, root: Path) -> tuple[str, list[str]]:
+    """Return (new text, names of the blocks rendered)."""
+    names: list[str] = []
+
+    def sub(m: re.Match) -> str:
+        srcs = m.group("srcs").split()
+        body = render_block(m.group("name"), srcs, root)
+        names.append(m.group("name"))
+        head = f"<!-- results:{m.group('name')}{m.group('srcs')} -->"
+        return f"{head}\n{body}\n<!-- /results:{m.group('name')} -->"
+
+    return BLOCK.sub(sub, text), names
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--readme", default=str(ROOT / "README.md"))
+    ap.add_argument("--root", default=str(ROOT), help="paths in the markers are relative to this")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the README is not up to date")
+    args = ap.parse_args(argv)
+    path = Path(args.readme)
+    text = path.read_text()
+    new, names = regenerate(text, Path(args.root))
+    if not names:
+        print(f"{path}: no <!-- results:NAME FILE... --> blocks", file=sys.stderr)
+        return 1
+    if args.check:
+        stale = new != text
+        print(f"{path}: {len(names)} blocks, {'stale' if stale else 'up to date'}")
+        return 1 if stale else 0
+    path.write_text(new)
+    print(f"{path}: regenerated {len(names)} blocks ({', '.join(names)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

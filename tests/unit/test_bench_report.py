@@ -1,0 +1,82 @@
+"""README result blocks: rendered from the benchmarks' JSON, only the text between markers changes."""
+
+import json
+
+import pytest
+
+from benchmarks import report, stamp
+from benchmarks.ruler import summarize
+from benchmarks.serving import ratio_table
+
+
+def _write(tmp_path, name, obj):
+    p = tmp_path / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(obj))
+    return name
+
+
+def _passkey():
+    return stamp({"prompt_tokens": 100, "trials": 4, "results": {
+        "full": {"policy": "none", "budget": None, "mode": "aware", "correct": 4, "trials": 4},
+        "knorm@512": {"policy": "knorm", "budget": 512, "mode": "aware", "correct": 2, "trials": 4},
+        "knorm@128": {"policy": "knorm", "budget": 128, "mode": "aware", "correct": 1, "trials": 4},
+        "knorm@128/agn": {"policy": "knorm", "budget": 128, "mode": "agnostic", "correct": 3, "trials": 4}}},
+        ["--budgets", "128,512"])
+
+
+def test_block_is_rendered_and_prose_outside_is_kept(tmp_path):
+    src = _write(tmp_path, "r/passkey.json", _passkey())
+    text = f"intro\n<!-- results:passkey {src} -->\nold table\n<!-- /results:passkey -->\noutro\n"
+    new, names = report.regenerate(text, tmp_path)
+    assert names == ["passkey"]
+    assert new.startswith("intro\n<!-- results:passkey r/passkey.json -->\n") and new.endswith(
+        "<!-- /results:passkey -->\noutro\n")
+    assert "old table" not in new
+    assert "`python -m benchmarks.passkey --budgets 128,512`" in new
+    rows = [line for line in new.splitlines() if line.startswith("| ")]
+    assert rows[0] == "| policy | 128 | 512 | 128 agn |"  # aware budgets ascending, then agnostic
+    assert rows[1] == "| full cache | 4 | 4 | 4 |"
+    assert rows[2] == "| knorm | 1 | 2 | 3 |"
+    again, _ = report.regenerate(new, tmp_path)
+    assert again == new  # idempotent
+
+
+def test_check_reports_stale_and_write_fixes_it(tmp_path, capsys):
+    src = _write(tmp_path, "passkey.json", _passkey())
+    readme = tmp_path / "README.md"
+    readme.write_text(f"<!-- results:passkey {src} -->\n<!-- /results:passkey -->\n")
+    args = ["--readme", str(readme), "--root", str(tmp_path)]
+    assert report.main(args + ["--check"]) == 1
+    assert report.main(args) == 0
+    assert report.main(args + ["--check"]) == 0
+    assert "| knorm | 1 | 2 | 3 |" in readme.read_text()
+
+
+def test_missing_file_and_unknown_renderer_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="results:ruler.*r/none.json"):
+        report.regenerate("<!-- results:ruler r/none.json -->\n<!-- /results:ruler -->", tmp_path)
+    with pytest.raises(ValueError, match="results:bogus.*unknown renderer"):
+        report.regenerate("<!-- results:bogus x.json -->\n<!-- /results:bogus -->", tmp_path)
+
+
+def test_serving_ratio_rows_come_from_the_same_run():
+    runs = [{"config": c, "pool": 160, "output_len": 512, "request_rate": "inf", "output_throughput": t,
+             "peak_running": p, "tpot_p50_ms": 100.0, "ttft_p50_ms": 10.0, "request_throughput": 1.0,
+             "ttft_p99_ms": 1.0, "tpot_p99_ms": 1.0, "mean_running": 1.0}
+            for c, t, p in [("stock", 10.0, 2), ("snapkv", 25.0, 12)]]
+    res = stamp({"runs": runs, "ratios": ratio_table(runs), "overhead": [], "offline": [], "host": {}}, [])
+    md = report.render_serving([("s.json", res)])
+    assert "| snapkv | 160 | 512 | closed | 10.00 | 25.00 | 2.50 | 2 / 12 | 1.00 | 1.00 |" in md
+
+
+def test_ruler_table_uses_the_summary_means():
+    rows = [{"config": "full", "policy": "none", "budget": None, "mode": "-", "moments": False, "task": t,
+             "length": 1024, "score": s, "held_bytes": 2 ** 20} for t, s in [("a", 100.0), ("b", 50.0)]]
+    res = stamp({"summary": summarize(rows), "args": {"tasks": "a,b", "samples": 1}}, [])
+    md = report.render_ruler([("x.json", res)])
+    assert "| full | 75.0 | 75.0 | 1.0 |" in md
+
+
+def test_stamp_keeps_existing_keys():
+    assert stamp({"date": "d", "argv": ["x"]}, ["y"]) == {"date": "d", "argv": ["x"]}
