@@ -90,9 +90,11 @@ def render_serving(runs: list[tuple[str, dict]]) -> str:
             stock = by.get(("stock", q["pool"], q["output_len"], q.get("request_rate")), {})
             ev = by.get((q["config"], q["pool"], q["output_len"], q.get("request_rate")), {})
             rate = q.get("request_rate")
-            ratio_rows.append([q["config"], q["pool"], q["output_len"], "closed" if rate in (None, "inf") else rate,
+            closed = rate is None or str(rate) in ("inf", "Infinity")
+            ratio_rows.append([q["config"], q["pool"], q["output_len"], "closed" if closed else rate,
                                stock.get("output_throughput"), ev.get("output_throughput"), q["output_throughput"],
                                f"{_f(stock.get('peak_running'), 0)} / {_f(ev.get('peak_running'), 0)}",
+                               f"{_f(stock.get('preemptions'), 0)} / {_f(ev.get('preemptions'), 0)}",
                                q["tpot_p50_ms"], q["ttft_p50_ms"]])
         for o in res.get("overhead") or []:
             over_rows.append(o)
@@ -105,7 +107,8 @@ def render_serving(runs: list[tuple[str, dict]]) -> str:
     out = cmds + [""]
     if ratio_rows:
         out += [md_table(["policy", "pool", "L", "arrivals/s", "stock out tok/s", "evict out tok/s", "out tok/s x",
-                          "peak running stock / evict", "TPOT p50 x", "TTFT p50 x"], ratio_rows), ""]
+                          "peak running stock / evict", "preemptions stock / evict", "TPOT p50 x", "TTFT p50 x"],
+                         ratio_rows), ""]
     if over_rows:
         pct = [o["overhead_pct_of_prefill"] for o in over_rows if o.get("overhead_pct_of_prefill") is not None]
         pol = [o["policy_ms_per_request"] for o in over_rows if o.get("policy_ms_per_request") is not None]

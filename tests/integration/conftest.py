@@ -114,3 +114,36 @@ def evicting_torch_ops(model_dir):
                       dict(BASE_LLM, model=model_dir,
                            additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
                       ["greedy_evicted"], env={"VLLM_CONTOUR_OPS_IMPL": "torch"})
+
+
+# Tensor parallelism: the tiny random Llama (2 KV heads, so TP=2 gives each rank one head) served by vLLM's
+# multiprocess executor, against the same model on one rank.
+TINY_LLM = dict(dtype="float32", enforce_eager=True, block_size=32, enable_prefix_caching=False,
+                max_model_len=1024, num_gpu_blocks_override=64, max_num_seqs=16, seed=0, skip_tokenizer_init=True,
+                additional_config={"kv_eviction": {"policy": "streaming", "budget": 64}})
+
+
+def _bind_two_cpus() -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for two CPU workers: one allowed CPU each ('a|b'); vLLM's automatic
+    binding wants one NUMA node per rank, which small machines do not have."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return f"{cpus[0]}|{cpus[1]}" if len(cpus) >= 2 else "nobind"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from tests.tiny_model import make_tiny_llama
+
+    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", layers=2, heads=4, kv_heads=2))
+
+
+@pytest.fixture(scope="session")
+def tiny_tp1(tiny_model_dir):
+    return run_engine("tiny_tp1", dict(TINY_LLM, model=tiny_model_dir), ["parallel"])
+
+
+@pytest.fixture(scope="session")
+def tiny_tp2(tiny_model_dir):
+    return run_engine("tiny_tp2", dict(TINY_LLM, model=tiny_model_dir, tensor_parallel_size=2,
+                                       distributed_executor_backend="mp"), ["parallel"],
+                      env={"VLLM_CPU_OMP_THREADS_BIND": _bind_two_cpus()})

@@ -27,6 +27,20 @@ def _free(llm) -> int:
     return _core(llm).scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
+def _drain(llm, on_step=None) -> dict[str, list[int]]:
+    """Step the engine until no request is left; -> {request id: generated token ids} of those finished.
+    ``on_step()`` runs after every step."""
+    engine = llm.llm_engine
+    outs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+        if on_step is not None:
+            on_step()
+    return outs
+
+
 def _prompts(tokenizer_vocab: int, lengths, seed):
     rnd = random.Random(seed)
     return [[rnd.randrange(100, tokenizer_vocab - 100) for _ in range(n)] for n in lengths]
@@ -60,12 +74,7 @@ def run_greedy(llm, spec, res):
     engine = llm.llm_engine
     for i, p in enumerate(prompts):
         engine.add_request(f"g{i}", {"prompt_token_ids": p}, sp)
-    outs = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = list(o.outputs[0].token_ids)
-        free_trace.append(_free(llm))
+    outs = _drain(llm, lambda: free_trace.append(_free(llm)))
     res["greedy"] = [outs[f"g{i}"] for i in range(len(prompts))]
     res["greedy_lengths"] = lengths
     res["greedy_free_trace"] = free_trace
@@ -191,11 +200,7 @@ def run_presets(llm, spec, res):
     for i, (label, extra) in enumerate(variants):
         engine.add_request(f"preset{i}", {"prompt_token_ids": prompt},
                            SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args=extra))
-    outs = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = list(o.outputs[0].token_ids)
+    outs = _drain(llm)
     res["presets"] = {label: outs.get(f"preset{i}") for i, (label, _) in enumerate(variants)}
     conn = _core(llm).scheduler.connector
     res["presets_evicted"] = conn.stats.evicted_requests
@@ -220,17 +225,37 @@ def run_greedy_evicted(llm, spec, res):
             labels.append(f"ge{i}{'m' if moments else ''}")
             engine.add_request(labels[-1], {"prompt_token_ids": p},
                                SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, extra_args=extra))
-    outs = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = list(o.outputs[0].token_ids)
+    outs = _drain(llm)
     res["greedy_evicted"] = {k: outs.get(k) for k in labels}
     res["greedy_evicted_calls"] = {f"{op}:{name}": n - before.get((op, name), 0)
                                    for (op, name), n in ops.CALLS.items() if n - before.get((op, name), 0)}
 
 
-SCENARIOS = {"greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
+def run_parallel(llm, spec, res):
+    """Token-id prompts on the tiny model (no tokenizer): the server's policy (evicting) and a per-request
+    budget above the prompt (nothing evicted). Records greedy tokens and what the scheduler freed, which is
+    all a tensor-parallel engine exposes in-process (its workers are other processes)."""
+    from vllm import SamplingParams
+
+    lengths = spec.get("par_lengths", [200, 333, 470])
+    prompts = _prompts(spec.get("par_vocab", 512), lengths, 11)
+    engine = llm.llm_engine
+    conn = _core(llm).scheduler.connector
+    f0, freed0 = _free(llm), conn.stats.freed_blocks
+    labels = []
+    for i, p in enumerate(prompts):
+        for tag, extra in (("evict", None), ("keep", {"kv_budget": 100000})):
+            labels.append(f"par{i}{tag}")
+            engine.add_request(labels[-1], {"prompt_token_ids": p},
+                               SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, extra_args=extra))
+    outs = _drain(llm)
+    last = {k.split("-")[0]: list(v) for k, v in conn.stats.last.items() if k.split("-")[0] in labels}
+    res["parallel"] = {"tokens": {k: outs.get(k) for k in labels}, "lengths": lengths,
+                       "freed_blocks": conn.stats.freed_blocks - freed0, "reports": last,
+                       "free_before": f0, "free_end": _free(llm)}
+
+
+SCENARIOS = {"parallel": run_parallel, "greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
              "preempt_abort": run_preempt_abort}
 
 
@@ -245,9 +270,10 @@ def main(spec_path: str, out_path: str) -> None:
     res = {"startup_s": time.time() - t0}
     core = _core(llm)
     res["num_gpu_blocks"] = core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
-    res["attn_impl"] = type(
-        core.model_executor.driver_worker.worker.model_runner.attn_groups[0][0].backend).__name__ \
-        if hasattr(core.model_executor.driver_worker.worker.model_runner, "attn_groups") else None
+    driver = getattr(core.model_executor, "driver_worker", None)  # None: workers in other processes (TP/PP)
+    runner = driver.worker.model_runner if driver is not None else None
+    res["attn_impl"] = type(runner.attn_groups[0][0].backend).__name__ \
+        if runner is not None and hasattr(runner, "attn_groups") else None
     res["connector"] = type(core.scheduler.connector).__name__ if core.scheduler.connector else None
     for name in spec["scenarios"]:
         t = time.time()

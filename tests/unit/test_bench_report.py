@@ -63,11 +63,11 @@ def test_missing_file_and_unknown_renderer_are_named(tmp_path):
 def test_serving_ratio_rows_come_from_the_same_run():
     runs = [{"config": c, "pool": 160, "output_len": 512, "request_rate": "inf", "output_throughput": t,
              "peak_running": p, "tpot_p50_ms": 100.0, "ttft_p50_ms": 10.0, "request_throughput": 1.0,
-             "ttft_p99_ms": 1.0, "tpot_p99_ms": 1.0, "mean_running": 1.0}
+             "ttft_p99_ms": 1.0, "tpot_p99_ms": 1.0, "mean_running": 1.0, "preemptions": 0.0}
             for c, t, p in [("stock", 10.0, 2), ("snapkv", 25.0, 12)]]
     res = stamp({"runs": runs, "ratios": ratio_table(runs), "overhead": [], "offline": [], "host": {}}, [])
     md = report.render_serving([("s.json", res)])
-    assert "| snapkv | 160 | 512 | closed | 10.00 | 25.00 | 2.50 | 2 / 12 | 1.00 | 1.00 |" in md
+    assert "| snapkv | 160 | 512 | closed | 10.00 | 25.00 | 2.50 | 2 / 12 | 0 / 0 | 1.00 | 1.00 |" in md
 
 
 def test_ruler_table_uses_the_summary_means():
