@@ -118,6 +118,10 @@ def evicting_torch_ops(model_dir):
 
 # Tensor parallelism: the tiny random Llama (2 KV heads, so TP=2 gives each rank one head) served by vLLM's
 # multiprocess executor, against the same model on one rank.
+# Prompts of whole pages: each rank budgets its own heads in whole pages (floor(local heads x (budget -
+# partial-page tail) / page)), so one rank with 2 heads and two ranks with 1 head keep the same pages per
+# head only when that is exact; 64 tokens per head and no partial page give 2 pages per head on both.
+PAR_LENGTHS = [192, 320, 480]
 TINY_LLM = dict(dtype="float32", enforce_eager=True, block_size=32, enable_prefix_caching=False,
                 max_model_len=1024, num_gpu_blocks_override=64, max_num_seqs=16, seed=0, skip_tokenizer_init=True,
                 additional_config={"kv_eviction": {"policy": "streaming", "budget": 64}})
@@ -139,11 +143,11 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_tp1(tiny_model_dir):
-    return run_engine("tiny_tp1", dict(TINY_LLM, model=tiny_model_dir), ["parallel"])
+    return run_engine("tiny_tp1", dict(TINY_LLM, model=tiny_model_dir), ["parallel"], par_lengths=PAR_LENGTHS)
 
 
 @pytest.fixture(scope="session")
 def tiny_tp2(tiny_model_dir):
     return run_engine("tiny_tp2", dict(TINY_LLM, model=tiny_model_dir, tensor_parallel_size=2,
-                                       distributed_executor_backend="mp"), ["parallel"],
+                                       distributed_executor_backend="mp"), ["parallel"], par_lengths=PAR_LENGTHS,
                       env={"VLLM_CPU_OMP_THREADS_BIND": _bind_two_cpus()})

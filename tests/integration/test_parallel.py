@@ -1,5 +1,6 @@
 """Eviction under vLLM's tensor parallelism (TP=2, multiprocess executor, CPU): each rank evicts its own KV
-heads, the scheduler merges the ranks' reports and frees the blocks, and decoding matches one rank."""
+heads, the scheduler merges the ranks' reports and frees the blocks, and decoding matches one rank (prompt
+lengths chosen so both layouts keep the same pages per head: see PAR_LENGTHS in conftest.py)."""
 
 
 def test_tensor_parallel_eviction_matches_one_rank(tiny_tp1, tiny_tp2):
