@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -45,7 +46,7 @@ def md_table(header: list[str], rows: list[list[Any]], nd: int = 2) -> str:
 def provenance(res: dict, name: str, src: str) -> str:
     """One italic line: the command that produced ``res`` (when recorded), its date and wall time."""
     argv = res.get("argv")
-    cmd = f"`python -m benchmarks.{name}{' ' + ' '.join(argv) if argv else ''}`" if argv is not None else None
+    cmd = f"`python -m benchmarks.{name}{' ' + shlex.join(argv) if argv else ''}`" if argv is not None else None
     bits = [cmd or f"`{src}`", res.get("date")]
     wall = res.get("wall_seconds", res.get("wall_s", res.get("seconds")))
     if isinstance(wall, (int, float)):
@@ -72,7 +73,7 @@ def render_passkey(runs: list[tuple[str, dict]]) -> str:
             rows.setdefault(r["policy"], {})[col] = r["correct"]
         cols.sort(key=lambda c: (" agn" in c, int(c.split()[0])))
         body = [[p] + [cells.get(c, cells.get("*", "-")) for c in cols] for p, cells in rows.items()]
-        out += [provenance(res, "passkey", src) + f" — {res['prompt_tokens']} prompt tokens, correct out of "
+        out += ([""] if out else []) + [provenance(res, "passkey", src) + f" — {res['prompt_tokens']} prompt tokens, correct out of "
                 f"{res['trials']}; columns are tokens per KV head, `agn` = query-agnostic", "",
                 md_table(["policy"] + cols, body)]
     return "\n".join(out)
@@ -144,7 +145,7 @@ def render_audit(runs: list[tuple[str, dict]]) -> str:
             rows.append([press if press != "none" else "full cache", budget, held, kv.get("accuracy"),
                          ours.get("held_mib"), ours.get("accuracy")])
         n = len(res.get("samples", []))
-        out += [provenance(res, "audit", src) + f" — {n} samples, kvpress {res.get('kvpress')}", "",
+        out += ([""] if out else []) + [provenance(res, "audit", src) + f" — {n} samples, kvpress {res.get('kvpress')}", "",
                 md_table(["kvpress press", "budget", "kvpress MiB held", "kvpress accuracy",
                           "vllm-contour MiB held", "vllm-contour accuracy"], rows, nd=2)]
     return "\n".join(out)
@@ -154,15 +155,25 @@ def render_ruler(runs: list[tuple[str, dict]]) -> str:
     out = []
     for src, res in runs:
         lengths = sorted({int(L) for c in res["summary"].values() for L in c["by_length"]})
-        rows = []
-        for name, c in res["summary"].items():
-            bl = {int(k): v for k, v in c["by_length"].items()}
-            rows.append([name] + [bl.get(L, {}).get("mean") for L in lengths] + [c["mean"],
-                                                                              c["mean_held_bytes"] / 2 ** 20])
         a = res.get("args", {})
-        out += [provenance(res, "ruler", src) + f" — tasks {a.get('tasks')}, {a.get('samples')} sample(s) per task "
-                f"and length; RULER score ×100", "",
-                md_table(["config"] + [f"{L} tok" for L in lengths] + ["mean", "MiB held"], rows, nd=1)]
+        rows = []
+        if len(lengths) == 1:  # one length: a column per task
+            tasks = [t for t in next(iter(res["summary"].values()))["by_length"][next(iter(
+                next(iter(res["summary"].values()))["by_length"]))] if t != "mean"]
+            head = ["config"] + tasks
+            for name, c in res["summary"].items():
+                d = next(iter(c["by_length"].values()))
+                rows.append([name] + [d.get(t) for t in tasks] + [c["mean"], c["mean_held_bytes"] / 2 ** 20])
+            what = f"{lengths[0]}-token prompts"
+        else:
+            head = ["config"] + [f"{L} tok" for L in lengths]
+            for name, c in res["summary"].items():
+                bl = {int(k): v for k, v in c["by_length"].items()}
+                rows.append([name] + [bl.get(L, {}).get("mean") for L in lengths] + [c["mean"],
+                                                                                  c["mean_held_bytes"] / 2 ** 20])
+            what = f"tasks {a.get('tasks')}"
+        out += ([""] if out else []) + [provenance(res, "ruler", src) + f" — {what}, {a.get('samples')} sample(s) per task and length; "
+                f"RULER score ×100", "", md_table(head + ["mean", "MiB held"], rows, nd=1)]
     return "\n".join(out)
 
 
@@ -187,7 +198,7 @@ def render_seed_claims(runs: list[tuple[str, dict]]) -> str:
                          "< 1; ≈ 0"])
         agree = ", ".join(f"{k} {'yes' if v.get('agrees', v.get('agrees_pooled')) else 'no'}"
                           for k, v in res.get("agreement", {}).items())
-        out += [provenance(res, "seed_claims", src) + f" — {res['passages']} passages × {res['tokens']} tokens",
+        out += ([""] if out else []) + [provenance(res, "seed_claims", src) + f" — {res['passages']} passages × {res['tokens']} tokens",
                 "", md_table(["claim", "s", "ours", "paper"], rows), "", f"Agreement (criteria in the JSON): {agree}."]
     return "\n".join(out)
 
@@ -204,7 +215,7 @@ def render_perplexity(runs: list[tuple[str, dict]]) -> str:
         by = {(r["policy"], (r["budget_kind"], r["budget_value"])): r for r in res["results"]}
         pols = sorted({r["policy"] for r in res["results"]})
         rows = [[p] + [by[(p, b)]["ppl_ratio"] if (p, b) in by else None for b in budgets] for p in pols]
-        out += [provenance(res, "perplexity", src) + f" — full-cache perplexity {res['ppl_full']:.2f} over "
+        out += ([""] if out else []) + [provenance(res, "perplexity", src) + f" — full-cache perplexity {res['ppl_full']:.2f} over "
                 f"{res['passages']} × {res['scored_tokens_per_passage']} tokens after a {res['context_tokens']}-token "
                 f"context; perplexity ratio to full cache", "",
                 md_table(["policy"] + names, rows, nd=2)]
@@ -224,7 +235,7 @@ def render_ops(runs: list[tuple[str, dict]]) -> str:
             nat = t.get("vllm_native", {}).get("cpu_ms")
             rows.append([r["tokens"]] + [t[i]["cpu_ms"] / nat if nat else None for i in t if i != "vllm_native"])
         dec_impls = [i for i in res["decode"][0]["times"] if i != "vllm_native"]
-        out += [provenance(res, "ops", src) + f" — {res['config']['dtype']}, {res['config']['threads']} thread(s)",
+        out += ([""] if out else []) + [provenance(res, "ops", src) + f" — {res['config']['dtype']}, {res['config']['threads']} thread(s)",
                 "", f"Compaction throughput as a fraction of a plain memcpy of the kept bytes: {frac}.", "",
                 md_table(["decode tokens"] + [f"{i} / vLLM native" for i in dec_impls], rows)]
         cvf = res.get("compacted_vs_full") or []

@@ -75,7 +75,12 @@ def test_ruler_table_uses_the_summary_means():
              "length": 1024, "score": s, "held_bytes": 2 ** 20} for t, s in [("a", 100.0), ("b", 50.0)]]
     res = stamp({"summary": summarize(rows), "args": {"tasks": "a,b", "samples": 1}}, [])
     md = report.render_ruler([("x.json", res)])
-    assert "| full | 75.0 | 75.0 | 1.0 |" in md
+    assert "| config | a | b | mean | MiB held |" in md  # one length: a column per task
+    assert "| full | 100.0 | 50.0 | 75.0 | 1.0 |" in md
+    rows.append(dict(rows[0], length=2048, score=0.0))
+    md = report.render_ruler([("x.json", stamp({"summary": summarize(rows), "args": {}}, []))])
+    assert "| config | 1024 tok | 2048 tok | mean | MiB held |" in md
+    assert "| full | 75.0 | 0.0 | 37.5 | 1.0 |" in md
 
 
 def test_stamp_keeps_existing_keys():
