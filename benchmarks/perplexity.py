@@ -375,7 +375,8 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def print_table(res: dict) -> None:
+def result_grid(res: dict):
+    """-> (budgets [(kind, value)] in run order, their column names, {(policy, budget): row}, sorted policies)."""
     budgets = []
     for r in res["results"]:
         b = (r["budget_kind"], r["budget_value"])
@@ -384,6 +385,11 @@ def print_table(res: dict) -> None:
     names = [f"{int(v)}" if k == "tokens" else f"{int(round(v * 100))}%" for k, v in budgets]
     by = {(r["policy"], (r["budget_kind"], r["budget_value"])): r for r in res["results"]}
     pols = sorted({r["policy"] for r in res["results"]})
+    return budgets, names, by, pols
+
+
+def print_table(res: dict) -> None:
+    budgets, names, by, pols = result_grid(res)
     print(f"full-cache perplexity {res['ppl_full']:.3f} over {res['passages']} x "
           f"{res['scored_tokens_per_passage']} tokens; context {res['context_tokens']} tokens; "
           f"keep-all check max |dlogit| = {res['keep_all_max_abs_logit_diff']:.2e}")

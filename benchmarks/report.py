@@ -206,14 +206,9 @@ def render_seed_claims(runs: list[tuple[str, dict]]) -> str:
 def render_perplexity(runs: list[tuple[str, dict]]) -> str:
     out = []
     for src, res in runs:
-        budgets: list[tuple[str, float]] = []
-        for r in res["results"]:
-            b = (r["budget_kind"], r["budget_value"])
-            if b not in budgets:
-                budgets.append(b)
-        names = [f"{int(v)}" if k == "tokens" else f"{round(v * 100)}%" for k, v in budgets]
-        by = {(r["policy"], (r["budget_kind"], r["budget_value"])): r for r in res["results"]}
-        pols = sorted({r["policy"] for r in res["results"]})
+        from benchmarks.perplexity import result_grid
+
+        budgets, names, by, pols = result_grid(res)
         rows = [[p] + [by[(p, b)]["ppl_ratio"] if (p, b) in by else None for b in budgets] for p in pols]
         out += ([""] if out else []) + [provenance(res, "perplexity", src) + f" — full-cache perplexity {res['ppl_full']:.2f} over "
                 f"{res['passages']} × {res['scored_tokens_per_passage']} tokens after a {res['context_tokens']}-token "
