@@ -237,7 +237,7 @@ def run_parallel(llm, spec, res):
     all a tensor-parallel engine exposes in-process (its workers are other processes)."""
     from vllm import SamplingParams
 
-    lengths = spec.get("par_lengths", [200, 333, 470])
+    lengths = spec["par_lengths"]  # whole pages: see PAR_LENGTHS in conftest.py
     prompts = _prompts(spec.get("par_vocab", 512), lengths, 11)
     engine = llm.llm_engine
     conn = _core(llm).scheduler.connector
