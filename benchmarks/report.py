@@ -21,26 +21,14 @@ import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
+
+from benchmarks import fmt_cell as _f, md_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
 BLOCK = re.compile(r"<!-- results:(?P<name>[a-z_]+)(?P<srcs>(?: [^ >]+)*) -->\n(?P<body>.*?)<!-- /results:(?P=name) -->",
                    re.S)
-
-
-def _f(v: Any, nd: int = 2) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return "-" if v != v else f"{v:.{nd}f}"
-    return str(v)
-
-
-def md_table(header: list[str], rows: list[list[Any]], nd: int = 2) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(_f(c, nd) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def provenance(res: dict, name: str, src: str) -> str:
@@ -125,6 +113,8 @@ def render_serving(runs: list[tuple[str, dict]]) -> str:
 
 
 def render_audit(runs: list[tuple[str, dict]]) -> str:
+    from benchmarks.audit import PAIRS
+
     out = []
     for src, res in runs:
         t = {(r["system"], r["method"], str(r["budget"])): r for r in res["table"]}
@@ -133,8 +123,6 @@ def render_audit(runs: list[tuple[str, dict]]) -> str:
             k = (r["method"], str(r["budget"]))
             if k not in keys and r["system"] == "kvpress":
                 keys.append(k)
-        from benchmarks.audit import PAIRS
-
         rows = []
         for press, budget in keys:
             kv = t.get(("kvpress", press, budget), {})
@@ -158,8 +146,8 @@ def render_ruler(runs: list[tuple[str, dict]]) -> str:
         a = res.get("args", {})
         rows = []
         if len(lengths) == 1:  # one length: a column per task
-            tasks = [t for t in next(iter(res["summary"].values()))["by_length"][next(iter(
-                next(iter(res["summary"].values()))["by_length"]))] if t != "mean"]
+            first = next(iter(next(iter(res["summary"].values()))["by_length"].values()))
+            tasks = [t for t in first if t != "mean"]
             head = ["config"] + tasks
             for name, c in res["summary"].items():
                 d = next(iter(c["by_length"].values()))

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from benchmarks import stamp
+from benchmarks import md_table, stamp
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -283,22 +283,9 @@ def eviction_overhead(deltas: dict[str, float], prefill_tok_per_s: float | None,
                                        if deltas.get("evicted_requests") else None)}
 
 
-def _fmt(v: Any, nd: int = 2) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "-"
-        return f"{v:.{nd}f}"
-    return str(v)
-
-
 def markdown_table(rows: list[dict], columns: list[tuple[str, str]], nd: int = 2) -> str:
     """``columns``: ``[(key, header)]``."""
-    head = "| " + " | ".join(h for _, h in columns) + " |"
-    sep = "|" + "|".join("---" for _ in columns) + "|"
-    body = ["| " + " | ".join(_fmt(r.get(k), nd) for k, _ in columns) + " |" for r in rows]
-    return "\n".join([head, sep, *body])
+    return md_table([h for _, h in columns], [[r.get(k) for k, _ in columns] for r in rows], nd)
 
 
 def max_model_len_for(input_len: int, output_lens: Iterable[int], block_size: int, margin: int = 64) -> int:
