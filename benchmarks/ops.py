@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from vllm_contour import ops  # noqa: E402
-from vllm_contour.layout import compaction_indices, plan_layout  # noqa: E402
+from vllm_contour.layout import compaction_indices, plan_layout, region_source_table  # noqa: E402
 from vllm_contour.ops.cpu_layout import KEY_TRANSPOSED, cpu_kv_views  # noqa: E402
 
 from benchmarks import stamp
@@ -92,7 +92,7 @@ def eviction_moves(tokens: int, keep: float, rnd: random.Random):
     kept = [torch.tensor(sorted(rnd.sample(range(e * BS), p * BS)), dtype=torch.int64) for p in pages]
     block_ids = list(range(e))
     lay = plan_layout(torch.tensor([pages]), block_ids, BS, H, e)
-    return compaction_indices(kept, lay.page_ids[0], block_ids, BS, H)
+    return compaction_indices(kept, lay.page_ids[0], region_source_table(block_ids, H), BS)
 
 
 def bench_compaction(tokens: int, keep: float, dtype, key_layout: str, reps: int, impls: list[str]):

@@ -319,7 +319,7 @@ def ceiling_rows(a, o, vrows, sizes, extra, pool_extra, ls_iter):
 def moment_rows(q, k, v, scale, context_len, policies, budgets, page_size, window, layer=0, num_layers=1):
     """(iv) for one layer: per (policy, budget), errors of renormalised vs moment-corrected eviction."""
     from vllm_contour import moments
-    from vllm_contour.evictor import base_layer_pages
+    from vllm_contour.budget import layer_token_pages
     from vllm_contour.policies import LayerInputs
 
     hq, t, dd = q.shape
@@ -336,7 +336,7 @@ def moment_rows(q, k, v, scale, context_len, policies, budgets, page_size, windo
                               page_size=page_size, layer_idx=layer, num_layers=num_layers,
                               scale=scale, queries=q[:, max(0, c - window): c], query_positions=qpos,
                               window_end=c)
-            sel = policy.plan_layer(inp, base_layer_pages(budget, hkv, page_size, c - inp.region_len))
+            sel = policy.plan_layer(inp, layer_token_pages(budget, hkv, page_size))
             kept_ctx = torch.zeros(hkv, c, dtype=torch.bool)
             kept_ctx[:, inp.region_len:] = True
             for h, idx in enumerate(sel.kept):

@@ -16,6 +16,11 @@ from typing import Any, Mapping
 
 ADDITIONAL_CONFIG_KEY = "kv_eviction"
 DEFAULT_BUDGET = 128
+# Tokens of dense tail a request may grow before the policy runs again (a multiple of the block size;
+# 0 = evict once, when the prompt ends). Chosen by the sweep in the README (round cost <= 10 % of decode).
+DEFAULT_DECODE_INTERVAL = 64
+# extra_args keys that start with "kv_" but belong to vLLM itself, not to this plugin.
+VLLM_OWNED_KEYS = frozenset({"kv_transfer_params"})
 
 
 class EvictionConfigError(ValueError):
@@ -45,6 +50,9 @@ def _check_int(field: str, value: Any, minimum: int) -> int:
 def _check_bool(field: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
+    # vLLM hands JSON booleans of vllm_xargs over as 1 / 0
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
     if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
         return value.lower() in ("true", "1")
     raise EvictionConfigError(f"{field} must be true or false, got {value!r}")
@@ -63,8 +71,11 @@ class EvictionConfig:
     """Server-wide eviction settings.
 
     policy: preset name, or ``none`` (eviction off: vLLM behaves exactly as stock).
-    budget: mean prompt tokens kept per KV head per layer (the compacted part plus the dense tail of
-        the prompt's last partial page), handed out in whole head-pages.
+    budget: tokens kept per KV head per layer on average (the compacted part, moment pages included),
+        rounded down to whole blocks and shared by the heads in whole head-pages.
+    decode_interval: dense tail (tokens) a request grows before the policy runs again over its kept
+        tokens plus the tail; a multiple of the block size, 0 = evict only when the prompt ends; None
+        (default) = DEFAULT_DECODE_INTERVAL rounded up to whole blocks.
     recent_window: most recent prompt tokens every head keeps (recency floor).
     sink_tokens: first tokens every head keeps (attention sinks).
     window: observation window (last prompt queries) that query-aware scorers look at.
@@ -78,6 +89,7 @@ class EvictionConfig:
     sink_tokens: int = 4
     window: int = 32
     moment_correction: bool = False
+    decode_interval: int | None = None
 
     @property
     def enabled(self) -> bool:
@@ -102,8 +114,9 @@ class EvictionConfig:
         kw: dict[str, Any] = {}
         if "policy" in raw:
             kw["policy"] = check_policy(f"{source}.policy", raw["policy"])
-        for name, minimum in (("budget", 1), ("recent_window", 0), ("sink_tokens", 0), ("window", 1)):
-            if name in raw:
+        for name, minimum in (("budget", 1), ("recent_window", 0), ("sink_tokens", 0), ("window", 1),
+                              ("decode_interval", 0)):
+            if name in raw and not (name == "decode_interval" and raw[name] is None):
                 kw[name] = _check_int(f"{source}.{name}", raw[name], minimum)
         if "moment_correction" in raw:
             kw["moment_correction"] = _check_bool(f"{source}.moment_correction", raw["moment_correction"])
@@ -135,6 +148,8 @@ REQUEST_KEYS = {
     "kv_recent_window": "recent_window",
     "kv_sink_tokens": "sink_tokens",
     "kv_moment_correction": "moment_correction",
+    "kv_decode_interval": "decode_interval",
+    "kv_observation_window": "window",
     # Query-agnostic mode: the first kv_context_len prompt tokens are context (compressed before the
     # question is seen); the rest is the question, kept dense and never scored.
     "kv_context_len": "context_len",
@@ -151,6 +166,7 @@ class RequestEviction:
     sink_tokens: int
     window: int
     moment_correction: bool = False
+    decode_interval: int | None = None
     context_len: int | None = None
 
     @property
@@ -160,12 +176,13 @@ class RequestEviction:
 
 def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
     """Validate the ``kv_*`` keys of a request's extra_args; returns {config field: value}.
-    Keys not starting with ``kv_`` belong to others and are ignored."""
+    Keys not starting with ``kv_`` (and vLLM's own ``kv_transfer_params``) belong to others and are
+    ignored."""
     out: dict[str, Any] = {}
     if not extra_args:
         return out
     for key, value in extra_args.items():
-        if not isinstance(key, str) or not key.startswith("kv_"):
+        if not isinstance(key, str) or not key.startswith("kv_") or key in VLLM_OWNED_KEYS:
             continue
         if key not in REQUEST_KEYS:
             raise EvictionConfigError(
@@ -176,7 +193,7 @@ def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
         elif field == "moment_correction":
             out[field] = _check_bool(key, value)
         else:
-            out[field] = _check_int(key, value, 1 if field in ("budget", "context_len") else 0)
+            out[field] = _check_int(key, value, 1 if field in ("budget", "context_len", "window") else 0)
     return out
 
 

@@ -1,140 +1,235 @@
-"""Evict one request in place: policy per layer -> ragged layout -> compaction op. Pure torch.
+"""One eviction round of one request: plan first (policy -> layout -> moves; nothing is written), then apply
+(moments -> compaction -> moment storage, only through ``ops``). Pure torch.
 
-The caller hands per-layer ``(key_cache, value_cache)`` views ``[num_blocks, H, bs, D]`` (any strides),
-the request's block ids, how many tokens have KV, and the captured window queries (if any).
+The caller hands per-layer ``(key_cache, value_cache)`` views ``[num_blocks, H, bs, D]`` (any strides), the
+request's block ids in logical order (freed blocks may appear as anything: they are never read), how many
+tokens have KV, the request's page budget and, for query-aware policies, the captured window queries.
+
+A round looks at the request's *candidates*. The first round: every token of its full blocks ``[0, E2)``
+(with ``kv_context_len`` in ``score_only`` mode: of the context's full blocks). A later round: each head's
+kept run from the previous layout plus the full tail blocks ``[E, E2)``. Each layer keeps its page budget
+(``PageBudget.token_pages``); the layout packs the kept pages, plus the moment pages, into the first of the
+*target* blocks (the blocks that held the candidates, in logical order) and the remaining targets empty.
+A plan that fails raises before any byte moved; the caller then leaves the request as it was.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from vllm_contour import moments as mom_math
 from vllm_contour import ops
+from vllm_contour.budget import PageBudget
 from vllm_contour.config import RequestEviction
-from vllm_contour.layout import RequestLayout, compaction_indices, plan_layout
-from vllm_contour.ops.cpu_layout import raw_pages
-from vllm_contour.policies import LayerInputs, build_policy
+from vllm_contour.layout import RequestLayout, compaction_indices, plan_layout, region_source_table
+from vllm_contour.policies import LayerInputs, Policy, build_policy
+
+
+class PlanError(RuntimeError):
+    """The round cannot be planned within the budget and the request's blocks; nothing was written."""
 
 
 @dataclass
-class EvictionResult:
+class LayerPlan:
+    moves: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # src page/off, dst page/off
+    evicted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # page ids, offsets, heads (moments)
+
+
+@dataclass
+class RoundPlan:
     layout: RequestLayout
-    seconds_policy: float
-    seconds_compact: float
+    freed_slots: list[int]  # logical indices of target blocks that hold nothing after the round
+    freed_blocks: list[int]  # their physical ids
+    layers: list[LayerPlan]
+    prev: RequestLayout | None
+    evicted_tokens: int  # over all layers and heads
+    seconds: float = 0.0
+    stats: dict = field(default_factory=dict)
 
 
-def region_blocks_for(num_tokens: int, block_size: int) -> int:
-    """Full blocks of the prompt: the compactable region. The partial last block stays dense."""
-    return num_tokens // block_size
-
-
-def moment_pages_for(num_kv_heads: int, head_dim: int, block_size: int, elem_size: int) -> int:
-    """Head-pages per layer that hold the layer's moment statistics (fp32, all heads)."""
-    return mom_math.pages_needed(num_kv_heads, head_dim, 2 * block_size * head_dim * elem_size)
-
-
-def write_moments(key_cache: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor) -> None:
-    """Store one layer's packed fp32 moments in its head-pages (raw bytes)."""
-    pages = raw_pages(key_cache)
-    page_bytes = pages.shape[1] * pages.element_size()
-    data = packed.contiguous().view(torch.uint8)
-    for j, pid in enumerate(page_ids.tolist()):
-        chunk = data[j * page_bytes : (j + 1) * page_bytes]
-        if chunk.numel() == 0:
-            break
-        pages[pid].view(torch.uint8)[: chunk.numel()] = chunk
-
-
-def read_moments(key_cache: torch.Tensor, page_ids: torch.Tensor, num_heads: int, d: int) -> dict:
-    """Gather moments stored by ``write_moments``: ``page_ids [..., M]`` -> dict with leading dims [..., H]."""
-    pages = raw_pages(key_cache)
-    lead = page_ids.shape[:-1]
-    raw = pages[page_ids.reshape(-1).to(torch.int64)].reshape(*lead, -1).contiguous().view(torch.uint8)
-    n_bytes = mom_math.packed_len(num_heads, d) * 4
-    flat = raw[..., :n_bytes].contiguous().view(torch.float32)
-    return mom_math.unpack(flat, num_heads, d)
-
-
-def base_layer_pages(budget: int, num_kv_heads: int, block_size: int, tail_tokens: int) -> int:
-    """Head-pages a layer may keep so that the mean tokens kept per head (region + dense tail) does not
-    exceed ``budget`` (rounded down to whole pages; the allocator enforces the per-head floor)."""
-    return (num_kv_heads * max(budget - tail_tokens, 0)) // block_size
-
-
-def evict_request(
-    caches: list[tuple[torch.Tensor, torch.Tensor]],
-    block_ids: list[int],
-    num_tokens: int,
-    params: RequestEviction,
-    scale: float,
-    queries: dict[int, torch.Tensor] | None = None,
-    query_positions: torch.Tensor | None = None,
-    policy=None,
-) -> EvictionResult | None:
-    """Compact the request's first full blocks in every layer. Returns None when there is no full block
-    to compact. With ``params.context_len`` (query-agnostic) only the context is compactable and the
-    scoring window ends at it; the question stays dense."""
+def plan_round(caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], num_tokens: int,
+               params: RequestEviction, budget: PageBudget, scale: float, prev: RequestLayout | None = None,
+               queries: dict[int, torch.Tensor] | None = None, query_positions: torch.Tensor | None = None,
+               policy: Policy | None = None) -> RoundPlan | None:
+    """Plan one round. Returns None when there is nothing to evict (every layer's candidates fit in its
+    budget, or no new full block since the last round). Raises ``PlanError`` (or the policy's error) when
+    the round cannot be planned; nothing has been written then."""
+    t0 = time.perf_counter()
     key0 = caches[0][0]
     _, h, bs, d = key0.shape
-    window_end = min(num_tokens, params.context_len) if params.context_len else num_tokens
-    e = region_blocks_for(window_end, bs)
-    if e == 0:
-        return None
-    n_blocks = (num_tokens + bs - 1) // bs
-    if len(block_ids) < n_blocks:
-        raise ValueError(f"request has {len(block_ids)} blocks, {n_blocks} needed for {num_tokens} tokens")
+    if h != budget.num_kv_heads or bs != budget.block_size:
+        raise PlanError(f"budget for {budget.num_kv_heads} heads x page {budget.block_size}, cache has "
+                        f"{h} x {bs}")
     policy = policy or build_policy(params.policy, sink_tokens=params.sink_tokens,
                                     recent_window=params.recent_window)
-    tail = window_end - e * bs  # context tokens kept dense (the question, if any, is extra)
-    base_total = base_layer_pages(params.budget, h, bs, tail)
-    m_pages = moment_pages_for(h, d, bs, key0.element_size()) if params.moment_correction else 0
-    if m_pages:
-        # The statistics are bytes too: they take head-pages from the layer's budget.
-        base_total = max(0, base_total - m_pages)
-        if m_pages + h > e * h:
-            m_pages = 0  # too short to evict anything worth summarising
+    n_blocks = (num_tokens + bs - 1) // bs
+    if len(block_ids) < n_blocks:
+        raise PlanError(f"request has {len(block_ids)} blocks, {n_blocks} needed for {num_tokens} tokens")
+    if policy.needs_queries and not queries:
+        raise PlanError(f"policy {policy.name} needs window queries; none were captured")
+    if prev is None:
+        window_end = min(num_tokens, params.context_len) if params.context_len else num_tokens
+        e_new = window_end // bs
+        if e_new == 0 or not budget.evicts(h * e_new):
+            return None
+        targets = list(range(e_new))
+    else:
+        window_end = None
+        e_new = num_tokens // bs
+        if e_new <= prev.region_blocks:
+            return None
+        targets = list(prev.block_slots) + list(range(prev.region_blocks, e_new))
     blocks = torch.tensor(block_ids[:n_blocks], dtype=torch.int64)
     num_layers = len(caches)
-
-    t0 = time.perf_counter()
     kept_all: list[list[torch.Tensor]] = []
-    packed_moments: list[torch.Tensor] = []
+    kept_pos: list[list[torch.Tensor]] = []
+    kept_scores: list[list[torch.Tensor] | None] = []
+    src_tables: list[torch.Tensor] = []
     pages = torch.zeros((num_layers, h), dtype=torch.int64)
+    evicted_n = torch.zeros((num_layers, h), dtype=torch.int64)
+    evicted_sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = []
     for layer, (kc, vc) in enumerate(caches):
-        keys = kc[blocks].permute(1, 0, 2, 3).reshape(h, n_blocks * bs, d)[:, :num_tokens]
-        values = vc[blocks].permute(1, 0, 2, 3).reshape(h, n_blocks * bs, d)[:, :num_tokens]
         q = None if queries is None else queries.get(layer)
         if policy.needs_queries and q is None:
-            raise RuntimeError(f"policy {policy.name} needs window queries; none captured for layer {layer}")
-        inp = LayerInputs(keys=keys, values=values, region_len=e * bs, page_size=bs, layer_idx=layer,
-                          num_layers=num_layers, scale=scale, queries=q, query_positions=query_positions,
-                          window_end=window_end)
-        sel = policy.plan_layer(inp, base_total)
+            raise PlanError(f"policy {policy.name} needs window queries; none captured for layer {layer}")
+        if prev is None:
+            keys = kc[blocks].permute(1, 0, 2, 3).reshape(h, n_blocks * bs, d)[:, :num_tokens]
+            values = vc[blocks].permute(1, 0, 2, 3).reshape(h, n_blocks * bs, d)[:, :num_tokens]
+            inp = LayerInputs(keys=keys, values=values, region_len=e_new * bs, page_size=bs, layer_idx=layer,
+                              num_layers=num_layers, scale=scale, queries=q, query_positions=query_positions,
+                              window_end=window_end)
+            sel = policy.plan_layer(inp, budget.token_pages)
+            src = region_source_table(block_ids[:e_new], h)
+            cand_pos = [torch.arange(e_new * bs)] * h
+        else:
+            heads, src, cand_pos = _round_inputs(kc, vc, blocks, num_tokens, prev, layer, e_new, scale, q,
+                                                 query_positions, policy.accumulates, num_layers)
+            sel = policy.plan_layer_ragged(heads, budget.token_pages)
         kept_all.append(sel.kept)
-        if m_pages:
-            region = e * bs
-            evicted = torch.ones((h, region), dtype=torch.bool)
-            for hh, k in enumerate(sel.kept):
-                evicted[hh, k] = False
-            # statistics of the evicted tokens, read where they still sit (before this layer's compaction)
-            hd, tok = evicted.nonzero(as_tuple=True)
-            page_ids = blocks[tok // bs] * h + hd
-            stats = {"n": torch.zeros(h), "sum_k": torch.zeros(h, d), "sum_v": torch.zeros(h, d),
-                     "sum_vk": torch.zeros(h, d, d)}
-            ops.accumulate_moments(kc, vc, page_ids, tok % bs, hd, stats)
-            packed_moments.append(mom_math.pack(mom_math.Moments(stats["n"], stats["sum_k"], stats["sum_v"],
-                                                                 stats["sum_vk"])))
+        kept_pos.append([cand_pos[hh][k] for hh, k in enumerate(sel.kept)])
+        kept_scores.append(sel.scores if policy.accumulates else None)
+        src_tables.append(src)
         pages[layer] = torch.tensor([k.numel() // bs for k in sel.kept], dtype=torch.int64)
-    t1 = time.perf_counter()
+        n_cand = torch.tensor([p.numel() for p in cand_pos])
+        evicted_n[layer] = n_cand - pages[layer] * bs
+        if budget.moment_pages:
+            ev_p, ev_o, ev_h = [], [], []
+            for hh, k in enumerate(sel.kept):
+                mask = torch.ones(int(n_cand[hh]), dtype=torch.bool)
+                mask[k] = False
+                j = mask.nonzero().squeeze(1)
+                ev_p.append(src[hh, j // bs])
+                ev_o.append(j % bs)
+                ev_h.append(torch.full_like(j, hh))
+            evicted_sets.append((torch.cat(ev_p), torch.cat(ev_o), torch.cat(ev_h)))
+        else:
+            evicted_sets.append(None)
 
-    layout = plan_layout(pages, block_ids[:e], bs, h, e, moment_pages=m_pages)
-    for layer, (kc, vc) in enumerate(caches):
-        sp, so, dp, do = compaction_indices(kept_all[layer], layout.page_ids[layer], block_ids[:e], bs, h)
-        ops.compact(kc, vc, sp, so, dp, do)
-        if m_pages:  # after the layer's compaction: moment pages may have held source tokens
-            write_moments(kc, layout.moment_page_ids[layer], packed_moments[layer])
-    t2 = time.perf_counter()
-    return EvictionResult(layout=layout, seconds_policy=t1 - t0, seconds_compact=t2 - t1)
+    target_ids = [int(block_ids[s]) for s in targets]
+    max_tok = max(1, int(pages.max())) * bs
+    positions = torch.full((num_layers, h, max_tok), -1, dtype=torch.int64)
+    carry = torch.zeros((num_layers, h, max_tok)) if policy.accumulates else None
+    for layer in range(num_layers):
+        for hh in range(h):
+            n = kept_pos[layer][hh].numel()
+            positions[layer, hh, :n] = kept_pos[layer][hh]
+            if carry is not None and kept_scores[layer] is not None:
+                carry[layer, hh, :n] = kept_scores[layer][hh].to(torch.float32).nan_to_num(0.0, 0.0, 0.0)
+    try:
+        layout = plan_layout(pages, target_ids, bs, h, e_new, moment_pages=budget.moment_pages,
+                             block_slots=targets, positions=positions)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    if layout.kept_blocks > max(budget.kept_blocks, 1):
+        raise PlanError(f"layout needs {layout.kept_blocks} blocks, the budget allows {budget.kept_blocks}")
+    layout.carry = carry
+    layout.evicted = evicted_n if prev is None or prev.evicted is None else prev.evicted + evicted_n
+    layout.rounds = 1 if prev is None else prev.rounds + 1
+    layers = []
+    for layer in range(num_layers):
+        moves = compaction_indices(kept_all[layer], layout.page_ids[layer], src_tables[layer], bs)
+        layers.append(LayerPlan(moves=moves, evicted=evicted_sets[layer]))
+    k = layout.kept_blocks
+    return RoundPlan(layout=layout, freed_slots=targets[k:], freed_blocks=target_ids[k:], layers=layers,
+                     prev=prev, evicted_tokens=int(evicted_n.sum()), seconds=time.perf_counter() - t0)
+
+
+def _round_inputs(kc, vc, blocks, num_tokens, prev: RequestLayout, layer, e_new, scale, q, query_positions,
+                  with_prior, num_layers):
+    """Per-head inputs of a later round: head h's kept run (original positions) then the new full tail
+    blocks, then the partial last block (context only, never a candidate)."""
+    h, bs = prev.num_kv_heads, prev.block_size
+    d = kc.shape[3]
+    e_old = prev.region_blocks
+    n_tail = e_new - e_old
+    p = prev.pages[layer].to(torch.int64)
+    width = int(p.max()) + n_tail
+    run = prev.page_ids[layer].to(torch.int64)  # [H, max_pages]
+    tail = blocks[e_old:e_new].view(1, -1) * h + torch.arange(h).view(-1, 1)  # [H, n_tail]
+    src = torch.empty((h, width), dtype=torch.int64)
+    for hh in range(h):
+        ph = int(p[hh])
+        src[hh, :ph] = run[hh, :ph]
+        src[hh, ph : ph + n_tail] = tail[hh]
+        src[hh, ph + n_tail :] = tail[hh, 0]
+    blk, lane = src // h, src % h
+    keys = kc[blk, lane].reshape(h, width * bs, d)
+    values = vc[blk, lane].reshape(h, width * bs, d)
+    n_part = num_tokens - e_new * bs
+    if n_part:
+        pk = kc[blocks[e_new], :, :n_part]  # [H, n_part, D]
+        pv = vc[blocks[e_new], :, :n_part]
+    tail_pos = torch.arange(e_old * bs, e_new * bs)
+    part_pos = torch.arange(e_new * bs, num_tokens)
+    g = None if q is None else q.shape[0] // h
+    heads, cand_pos = [], []
+    for hh in range(h):
+        c = (int(p[hh]) + n_tail) * bs
+        pos = torch.cat([prev.kept_positions(layer, hh), tail_pos])
+        k_h, v_h = keys[hh, :c], values[hh, :c]
+        if n_part:
+            k_h, v_h = torch.cat([k_h, pk[hh]]), torch.cat([v_h, pv[hh]])
+        prior = None
+        if with_prior and prev.carry is not None:
+            prior = torch.cat([prev.carry[layer, hh, : int(p[hh]) * bs], torch.zeros(n_tail * bs)]).view(1, -1)
+        heads.append(LayerInputs(keys=k_h.unsqueeze(0), values=v_h.unsqueeze(0), region_len=c, page_size=bs,
+                                 layer_idx=layer, num_layers=num_layers, scale=scale,
+                                 queries=None if q is None else q[hh * g : (hh + 1) * g],
+                                 query_positions=query_positions, positions=torch.cat([pos, part_pos]),
+                                 prior=prior))
+        cand_pos.append(pos)
+    return heads, src, cand_pos
+
+
+class FaultInjected(RuntimeError):
+    """Raised by the test-only fault switch (``VLLM_CONTOUR_FAULTS``)."""
+
+
+def apply_round(caches: list[tuple[torch.Tensor, torch.Tensor]], plan: RoundPlan,
+                fail_after_layer: int | None = None) -> RequestLayout:
+    """Move the bytes of a planned round, layer by layer: add the evicted tokens to the layer's moments
+    (read where they still sit), compact the kept tokens, store the moments in their new pages. Returns
+    the new layout. ``fail_after_layer`` (test-only fault switch) raises once that layer is compacted."""
+    layout, prev = plan.layout, plan.prev
+    h = layout.num_kv_heads
+    for layer, ((kc, vc), lp) in enumerate(zip(caches, plan.layers)):
+        d = kc.shape[3]
+        stats = None
+        if layout.moment_page_ids is not None:
+            if prev is not None and prev.moment_page_ids is not None:
+                old = ops.load_moments(kc, vc, prev.moment_page_ids[layer].to(torch.int64), h, d)
+                stats = {k: v.clone().to(torch.float32) for k, v in old.items()}
+            else:
+                stats = mom_math.Moments.zeros((h,), d).as_dict()
+            ev_p, ev_o, ev_h = lp.evicted
+            ops.accumulate_moments(kc, vc, ev_p, ev_o, ev_h, stats)
+        ops.compact(kc, vc, *lp.moves)
+        if stats is not None:  # after the layer's compaction: moment pages may have held source tokens
+            packed = mom_math.pack(mom_math.Moments(stats["n"], stats["sum_k"], stats["sum_v"], stats["sum_vk"]))
+            ops.store_moments(kc, vc, layout.moment_page_ids[layer].to(torch.int64), packed)
+        if fail_after_layer is not None and layer == fail_after_layer:
+            raise FaultInjected(f"fault switch: round failed after compacting layer {layer}")
+    return layout

@@ -1,12 +1,14 @@
-"""Ragged head-page packing of one request's compacted prompt.
+"""Ragged head-page packing of one request's kept tokens.
 
 vLLM's block is ``block_size`` tokens x all KV heads of every layer. Inside a layer a block holds one
 *head-page* per KV head ("lane"); head-page id ``block_id * H + lane`` names it. After eviction head
-(l, h) keeps ``pages[l, h]`` full head-pages. Layer l packs its ``P_l = sum_h pages[l, h]`` pages into the
-slots of the request's first ``K = max_l ceil(P_l / H)`` blocks, block-major (slot s -> block s // H, lane
-s % H): a head may borrow other heads' lanes, so memory is the SUM over heads, not H x max. Blocks
-``[K, E)`` of the compacted region are returned to vLLM's pool; the tail (blocks >= E) stays dense.
-Pure torch.
+(l, h) keeps ``pages[l, h]`` full head-pages. Layer l packs its ``P_l = sum_h pages[l, h]`` pages (plus its
+moment pages) into the slots of the first ``K = max_l ceil(P_l / H)`` *target* blocks, block-major (slot
+s -> target s // H, lane s % H): a head may borrow other heads' lanes, so memory is the SUM over heads,
+not H x max. The targets are the blocks that held the tokens the round looked at, in logical order (the
+previous round's kept blocks, then the full tail blocks); those after the first ``K`` go back to vLLM's
+pool. Logical blocks ``>= region_blocks`` (E) are the dense tail. Every kept token remembers its
+original position (sinks, recency, causal order and the next round need it). Pure torch.
 """
 
 from __future__ import annotations
@@ -20,16 +22,24 @@ import torch
 class RequestLayout:
     num_kv_heads: int
     block_size: int
-    region_blocks: int  # E: blocks [0, E) were compacted
-    kept_blocks: int  # K: blocks [0, K) hold the packed runs
+    region_blocks: int  # E: logical blocks [0, E) were compacted; the dense tail starts at block E
     pages: torch.Tensor  # [L, H] int32 head-pages kept per head
     page_ids: torch.Tensor  # [L, H, max_pages] int32 physical head-page ids (padded with the first)
-    block_ids: list[int]  # physical ids of blocks [0, K)
+    block_ids: list[int]  # physical ids of the K blocks holding kept pages / moments, slot order
+    block_slots: list[int]  # their logical indices in the request's block table
+    positions: torch.Tensor  # [L, H, max_pages * bs] int64 original positions of kept tokens (-1 = none)
     moment_page_ids: torch.Tensor | None = None  # [L, M] int32 head-pages holding MomentKV statistics
+    evicted: torch.Tensor | None = None  # [L, H] int64 tokens evicted so far (the moments' n)
+    carry: torch.Tensor | None = None  # [L, H, max_pages * bs] fp32 scores an accumulating scorer carries
+    rounds: int = 1
 
     @property
     def num_layers(self) -> int:
         return self.pages.shape[0]
+
+    @property
+    def kept_blocks(self) -> int:
+        return len(self.block_ids)
 
     @property
     def counts(self) -> torch.Tensor:
@@ -37,12 +47,11 @@ class RequestLayout:
         return self.pages * self.block_size
 
     @property
-    def freed_blocks(self) -> int:
-        return self.region_blocks - self.kept_blocks
-
-    @property
     def total_head_pages(self) -> int:
         return int(self.pages.sum())
+
+    def kept_positions(self, layer: int, head: int) -> torch.Tensor:
+        return self.positions[layer, head, : int(self.pages[layer, head]) * self.block_size]
 
 
 def kept_blocks_for(pages: torch.Tensor, num_kv_heads: int, moment_pages: int = 0) -> int:
@@ -52,19 +61,22 @@ def kept_blocks_for(pages: torch.Tensor, num_kv_heads: int, moment_pages: int = 
 
 
 def plan_layout(pages: torch.Tensor, block_ids: list[int], block_size: int, num_kv_heads: int,
-                region_blocks: int, moment_pages: int = 0) -> RequestLayout:
-    """Assign head-page slots for every (layer, head). ``block_ids`` are the request's physical block
-    ids in logical order (at least the first ``region_blocks``). ``moment_pages`` extra slots per layer
-    (after the token pages) hold the layer's moment statistics."""
+                region_blocks: int, moment_pages: int = 0, block_slots: list[int] | None = None,
+                positions: torch.Tensor | None = None) -> RequestLayout:
+    """Assign head-page slots for every (layer, head). ``block_ids`` are the physical ids of the target
+    blocks in logical order (``block_slots`` their logical indices, default ``0..``). ``moment_pages``
+    extra slots per layer (after the token pages) hold the layer's moment statistics. Raises when the
+    targets cannot hold the pages."""
     pages = pages.to(torch.int64)
     num_layers, h = pages.shape
     if h != num_kv_heads:
         raise ValueError(f"pages has {h} heads, cache has {num_kv_heads}")
-    if int(pages.max()) > region_blocks:
-        raise ValueError("a head cannot keep more pages than the compacted region holds")
+    slots_in = list(range(len(block_ids))) if block_slots is None else list(block_slots)
+    if len(slots_in) != len(block_ids):
+        raise ValueError("block_slots and block_ids differ in length")
     k = kept_blocks_for(pages, num_kv_heads, moment_pages)
-    if k > region_blocks:
-        raise ValueError(f"layout needs {k} blocks but the region has only {region_blocks}")
+    if k > len(block_ids):
+        raise ValueError(f"layout needs {k} blocks but the region has only {len(block_ids)}")
     blocks = torch.tensor(block_ids[:k], dtype=torch.int64)
     max_pages = max(1, int(pages.max()))
     page_ids = torch.empty((num_layers, h, max_pages), dtype=torch.int64)
@@ -81,29 +93,39 @@ def plan_layout(pages: torch.Tensor, block_ids: list[int], block_size: int, num_
         if moment_pages:
             slots = torch.arange(slot, slot + moment_pages)
             moment_ids[layer] = blocks[slots // num_kv_heads] * num_kv_heads + slots % num_kv_heads
+    if positions is None:
+        positions = torch.full((num_layers, h, max_pages * block_size), -1, dtype=torch.int64)
     return RequestLayout(num_kv_heads=num_kv_heads, block_size=block_size, region_blocks=region_blocks,
-                         kept_blocks=k, pages=pages.to(torch.int32), page_ids=page_ids.to(torch.int32),
-                         block_ids=[int(b) for b in block_ids[:k]],
+                         pages=pages.to(torch.int32), page_ids=page_ids.to(torch.int32),
+                         block_ids=[int(b) for b in block_ids[:k]], block_slots=slots_in[:k],
+                         positions=positions,
                          moment_page_ids=moment_ids.to(torch.int32) if moment_pages else None)
 
 
-def compaction_indices(kept: list[torch.Tensor], page_ids: torch.Tensor, block_ids: list[int],
-                       block_size: int, num_kv_heads: int):
+def region_source_table(block_ids: list[int], num_kv_heads: int) -> torch.Tensor:
+    """``[H, E]`` head-page ids of every head's tokens in dense blocks ``block_ids`` (lane = head)."""
+    blocks = torch.tensor(block_ids, dtype=torch.int64)
+    return blocks.view(1, -1) * num_kv_heads + torch.arange(num_kv_heads).view(-1, 1)
+
+
+def compaction_indices(kept: list[torch.Tensor], dst_page_ids: torch.Tensor, src_table: torch.Tensor,
+                       block_size: int):
     """Token moves for one layer: (src_page, src_off, dst_page, dst_off), int64 [M] each.
 
-    ``kept[h]`` are the kept token indices of head h (logical positions in the region), ``page_ids``
-    ``[H, max_pages]`` the head's destination pages."""
-    blocks = torch.tensor(block_ids, dtype=torch.int64)
+    ``kept[h]`` are the kept candidate indices of head h (sorted), ``src_table [H, P]`` the head-page id
+    of each of head h's candidate pages (candidate j sits in page ``src_table[h, j // bs]`` at offset
+    ``j % bs``), ``dst_page_ids [H, max_pages]`` the head's destination pages."""
     src_p, src_o, dst_p, dst_o = [], [], [], []
+    table = src_table.to(torch.int64)
     for head, idx in enumerate(kept):
         n = idx.numel()
         if n == 0:
             continue
         idx = idx.to(torch.int64)
-        src_p.append(blocks[idx // block_size] * num_kv_heads + head)
+        src_p.append(table[head, idx // block_size])
         src_o.append(idx % block_size)
         j = torch.arange(n)
-        dst_p.append(page_ids[head].to(torch.int64)[j // block_size])
+        dst_p.append(dst_page_ids[head].to(torch.int64)[j // block_size])
         dst_o.append(j % block_size)
     if not src_p:
         e = torch.empty(0, dtype=torch.int64)

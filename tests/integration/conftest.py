@@ -82,7 +82,8 @@ def model_dir() -> str:
 @pytest.fixture(scope="session")
 def stock(model_dir):
     """Stock vLLM: the plugin is not loaded at all (VLLM_PLUGINS allow-list without it)."""
-    return run_engine("stock", dict(BASE_LLM, model=model_dir), ["greedy", "free_blocks", "concurrency"],
+    return run_engine("stock", dict(BASE_LLM, model=model_dir),
+                      ["greedy", "greedy_long", "free_blocks", "concurrency"],
                       env={"VLLM_PLUGINS": "none-allowed"},
                       free_cases=[[2000, None]])
 
@@ -95,15 +96,32 @@ def plugin_off(model_dir):
                       ["greedy"])
 
 
+# (prompt tokens, budget, moments) of the budget-formula scenario (T = 0: one round, at the prompt end)
+FORMULA_CASES = [[300, 64, False], [1000, 64, False], [1000, 128, False], [1000, 128, True], [1000, 256, True],
+                 [2000, 200, False], [100, 128, True], [600, 512, True], [1500, 96, False]]
+
+
 @pytest.fixture(scope="session")
 def evicting(model_dir):
-    """SnapKV at 128 tokens per head. The greedy scenario overrides the budget per request to keep
-    everything (budget >= prompt), which still runs compaction (a pure permutation) and the ragged path."""
+    """SnapKV at 128 tokens per head, decode-time rounds at the default interval. The greedy scenarios
+    override the budget per request so that no round may run (budget + T >= prompt + generated)."""
     return run_engine("snapkv128", dict(BASE_LLM, model=model_dir,
                                         additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
-                      ["greedy", "greedy_evicted", "free_blocks", "concurrency", "preempt_abort", "presets"],
-                      greedy_extra_args={"kv_budget": 100000},
-                      free_cases=[[2000, None], [2000, {"kv_policy": "streaming"}], [1000, {"kv_budget": 256}]])
+                      ["greedy", "greedy_long", "greedy_evicted", "free_blocks", "concurrency", "preempt_abort",
+                       "presets", "decode_bound", "budget_formula", "short_moments"],
+                      greedy_extra_args={"kv_budget": 100000}, long_extra_args={"kv_budget": 1024},
+                      free_cases=[[2000, None], [2000, {"kv_policy": "streaming"}], [1000, {"kv_budget": 256}]],
+                      pa_extra_cycle=[{"kv_decode_interval": 32}, {"kv_policy": "none"}],
+                      formula_cases=FORMULA_CASES)
+
+
+@pytest.fixture(scope="session")
+def faulty(model_dir):
+    """The test-only fault switch on: a quarter of the rounds fail while planning, a quarter after the first
+    layer was compacted."""
+    return run_engine("faults", dict(BASE_LLM, model=model_dir,
+                                     additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
+                      ["faults"], env={"VLLM_CONTOUR_FAULTS": "plan=0.25,apply=0.25,seed=3"})
 
 
 
@@ -118,13 +136,14 @@ def evicting_torch_ops(model_dir):
 
 # Tensor parallelism: the tiny random Llama (2 KV heads, so TP=2 gives each rank one head) served by vLLM's
 # multiprocess executor, against the same model on one rank.
-# Prompts of whole pages: each rank budgets its own heads in whole pages (floor(local heads x (budget -
-# partial-page tail) / page)), so one rank with 2 heads and two ranks with 1 head keep the same pages per
-# head only when that is exact; 64 tokens per head and no partial page give 2 pages per head on both.
+# Each rank budgets its own heads (local heads x budget // block pages per layer), so one rank with 2 heads
+# and two ranks with 1 head keep the same pages per head; 64 tokens per head give 2 pages per head on both.
+# Generations long enough for decode-time rounds (every 32 generated tokens).
 PAR_LENGTHS = [192, 320, 480]
+PAR_MAX_TOKENS = 120
 TINY_LLM = dict(dtype="float32", enforce_eager=True, block_size=32, enable_prefix_caching=False,
                 max_model_len=1024, num_gpu_blocks_override=64, max_num_seqs=16, seed=0, skip_tokenizer_init=True,
-                additional_config={"kv_eviction": {"policy": "streaming", "budget": 64}})
+                additional_config={"kv_eviction": {"policy": "streaming", "budget": 64, "decode_interval": 32}})
 
 
 def _bind_two_cpus() -> str:
@@ -143,11 +162,12 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_tp1(tiny_model_dir):
-    return run_engine("tiny_tp1", dict(TINY_LLM, model=tiny_model_dir), ["parallel"], par_lengths=PAR_LENGTHS)
+    return run_engine("tiny_tp1", dict(TINY_LLM, model=tiny_model_dir), ["parallel"], par_lengths=PAR_LENGTHS,
+                      par_max_tokens=PAR_MAX_TOKENS)
 
 
 @pytest.fixture(scope="session")
 def tiny_tp2(tiny_model_dir):
     return run_engine("tiny_tp2", dict(TINY_LLM, model=tiny_model_dir, tensor_parallel_size=2,
                                        distributed_executor_backend="mp"), ["parallel"], par_lengths=PAR_LENGTHS,
-                      env={"VLLM_CPU_OMP_THREADS_BIND": _bind_two_cpus()})
+                      par_max_tokens=PAR_MAX_TOKENS, env={"VLLM_CPU_OMP_THREADS_BIND": _bind_two_cpus()})

@@ -27,15 +27,30 @@ def _free(llm) -> int:
     return _core(llm).scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
-def _drain(llm, on_step=None) -> dict[str, list[int]]:
+def _held(llm) -> dict[str, int]:
+    """Blocks each live request holds in vLLM's pool right now (its block list minus null blocks)."""
+    mgr = _core(llm).scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    return {rid.split("-")[0]: sum(1 for b in blocks if not b.is_null) for rid, blocks in mgr.req_to_blocks.items()}
+
+
+def _layout_of(rid: str):
+    from vllm_contour.integration.state import worker_state
+
+    return next((rs.layout for k, rs in worker_state().requests.items()
+                 if k.split("-")[0] == rid and rs.layout is not None), None)
+
+
+def _drain(llm, on_step=None, reasons: dict | None = None) -> dict[str, list[int]]:
     """Step the engine until no request is left; -> {request id: generated token ids} of those finished.
-    ``on_step()`` runs after every step."""
+    ``on_step()`` runs after every step; ``reasons`` (if given) collects each request's finish reason."""
     engine = llm.llm_engine
     outs: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
                 outs[o.request_id] = list(o.outputs[0].token_ids)
+                if reasons is not None:
+                    reasons[o.request_id] = o.outputs[0].finish_reason
         if on_step is not None:
             on_step()
     return outs
@@ -84,8 +99,6 @@ def run_free_blocks(llm, spec, res):
     """One long prompt: vLLM's free-block count before and after its prefill step, and the worker layout."""
     from vllm import SamplingParams
 
-    from vllm_contour.integration.state import worker_state
-
     tok = llm.get_tokenizer()
     out = []
     for i, (n, extra) in enumerate(spec.get("free_cases", [[2000, None]])):
@@ -100,11 +113,10 @@ def run_free_blocks(llm, spec, res):
         while engine.has_unfinished_requests():
             engine.step()
             trace.append(_free(llm))
-            # vLLM appends a suffix to request ids internally
-            c = next((v for k, v in worker_state().compacted.items() if k.split("-")[0] == rid), None)
-            if c is not None and layout is None:
-                layout = {"K": c.layout.kept_blocks, "E": c.layout.region_blocks,
-                          "pages": c.layout.pages.tolist(), "counts": c.layout.counts.tolist()}
+            lay = _layout_of(rid)  # vLLM appends a suffix to request ids internally
+            if lay is not None and layout is None:
+                layout = {"K": lay.kept_blocks, "E": lay.region_blocks, "pages": lay.pages.tolist(),
+                          "counts": lay.counts.tolist()}
         bs = _core(llm).scheduler.kv_cache_manager.coordinator.single_type_managers[0].block_size
         out.append({"prompt_tokens": n, "free_before": f0, "free_trace": trace, "layout": layout,
                     "block_size": bs, "free_end": _free(llm)})
@@ -135,7 +147,9 @@ def run_concurrency(llm, spec, res):
 
 
 def run_preempt_abort(llm, spec, res):
-    """Overload the pool so the scheduler preempts, abort a few requests midway, then check leaks."""
+    """Overload the pool so the scheduler preempts (every other request does not evict and grows densely),
+    abort a few requests midway, then check leaks. Evicting requests run decode-time rounds meanwhile; their
+    blocks held after every step are recorded (vLLM's pool), with their preemption counts."""
     from vllm import SamplingParams
 
     from vllm_contour.integration.state import worker_state
@@ -143,16 +157,24 @@ def run_preempt_abort(llm, spec, res):
     tok = llm.get_tokenizer()
     n_req = spec.get("pa_requests", 14)
     prompts = _text_prompts(tok, [spec.get("pa_prompt_tokens", 500)] * n_req, 5)
-    sp = SamplingParams(max_tokens=spec.get("pa_max_tokens", 200), temperature=0, ignore_eos=True)
+    cycle = spec.get("pa_extra_cycle") or [None]
     engine = llm.llm_engine
     core = _core(llm)
     sched = core.scheduler
     pool = sched.kv_cache_manager.block_pool
+    evicting = set()
     for i, p in enumerate(prompts):
-        engine.add_request(f"p{i}", {"prompt_token_ids": p}, sp)
+        extra = cycle[i % len(cycle)]
+        if not extra or extra.get("kv_policy") != "none":
+            evicting.add(f"p{i}")
+        engine.add_request(f"p{i}", {"prompt_token_ids": p},
+                           SamplingParams(max_tokens=spec.get("pa_max_tokens", 200), temperature=0, ignore_eos=True,
+                                          extra_args=extra))
     rnd = random.Random(7)
     to_abort = set(rnd.sample([f"p{i}" for i in range(n_req)], spec.get("pa_aborts", 3)))
     step, finished = 0, set()
+    held: dict[str, list[int]] = {}
+    preempted: dict[str, int] = {}
     while engine.has_unfinished_requests():
         outs = engine.step()
         step += 1
@@ -161,9 +183,12 @@ def run_preempt_abort(llm, spec, res):
                 finished.add(o.request_id)
         if step == spec.get("pa_abort_step", 25):
             engine.abort_request(sorted(to_abort - finished))
+        for rid, n in _held(llm).items():
+            if rid in evicting:
+                held.setdefault(rid, []).append(n)
         # count every request's preemptions while it is alive
         for r in sched.requests.values():
-            res.setdefault("_preempted", {})[r.request_id] = r.num_preemptions
+            preempted[r.request_id.split("-")[0]] = r.num_preemptions
     # one more tiny request so the worker sees the last finished ids and drops their state
     engine.add_request("tail", {"prompt_token_ids": prompts[0][:40]}, SamplingParams(max_tokens=2))
     while engine.has_unfinished_requests():
@@ -171,12 +196,13 @@ def run_preempt_abort(llm, spec, res):
     engine.step()
     st = worker_state()
     res["preempt_abort"] = {
-        "preemptions": sum(res.pop("_preempted", {}).values()),
-        "aborted": sorted(to_abort), "finished": len(finished),
+        "preemptions": sum(preempted.values()), "preempted": preempted, "evicting": sorted(evicting),
+        "held": held, "aborted": sorted(to_abort), "finished": len(finished),
         "free_end": pool.get_num_free_blocks(), "num_blocks": pool.num_gpu_blocks,
         "requests_left": len(sched.requests),
-        "worker_compacted_left": sorted(st.compacted), "worker_captures_left": sorted(st.captures),
+        "worker_requests_left": sorted(st.requests), "worker_layouts_left": sorted(st.key_to_req.values()),
         "manager_reqs_left": len(sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks),
+        "rounds": _core(llm).scheduler.connector.totals.rounds if _core(llm).scheduler.connector else 0,
     }
 
 
@@ -203,12 +229,13 @@ def run_presets(llm, spec, res):
     outs = _drain(llm)
     res["presets"] = {label: outs.get(f"preset{i}") for i, (label, _) in enumerate(variants)}
     conn = _core(llm).scheduler.connector
-    res["presets_evicted"] = conn.stats.evicted_requests
+    res["presets_evicted"] = conn.totals.evicted_requests
 
 
 def run_greedy_evicted(llm, spec, res):
-    """Greedy decoding of real eviction at a small budget (snapkv 64 per head), moments off and on: the
-    tokens depend on which op implementations ran (compaction, moments, ragged decode), which the result
+    """Greedy decoding of real eviction at a small budget (snapkv, 64 tokens per head without moments, 128
+    with them: the moment pages take 43 tokens per head on this model), prompt-end and decode-time rounds:
+    the tokens depend on which op implementations ran (compaction, moments, ragged decode), which the result
     records from the ops dispatch."""
     from vllm import SamplingParams
 
@@ -221,12 +248,15 @@ def run_greedy_evicted(llm, spec, res):
     labels = []
     for i, p in enumerate(prompts):
         for moments in (False, True):
-            extra = {"kv_policy": "snapkv", "kv_budget": 64, "kv_moment_correction": moments}
+            extra = {"kv_policy": "snapkv", "kv_budget": 128 if moments else 64, "kv_moment_correction": moments,
+                     "kv_decode_interval": 32}
             labels.append(f"ge{i}{'m' if moments else ''}")
             engine.add_request(labels[-1], {"prompt_token_ids": p},
-                               SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, extra_args=extra))
+                               SamplingParams(max_tokens=80, temperature=0, ignore_eos=True, extra_args=extra))
+    rounds0 = _core(llm).scheduler.connector.totals.rounds
     outs = _drain(llm)
     res["greedy_evicted"] = {k: outs.get(k) for k in labels}
+    res["greedy_evicted_rounds"] = _core(llm).scheduler.connector.totals.rounds - rounds0
     res["greedy_evicted_calls"] = {f"{op}:{name}": n - before.get((op, name), 0)
                                    for (op, name), n in ops.CALLS.items() if n - before.get((op, name), 0)}
 
@@ -241,21 +271,184 @@ def run_parallel(llm, spec, res):
     prompts = _prompts(spec.get("par_vocab", 512), lengths, 11)
     engine = llm.llm_engine
     conn = _core(llm).scheduler.connector
-    f0, freed0 = _free(llm), conn.stats.freed_blocks
+    f0, freed0 = _free(llm), conn.totals.freed_blocks
     labels = []
     for i, p in enumerate(prompts):
         for tag, extra in (("evict", None), ("keep", {"kv_budget": 100000})):
             labels.append(f"par{i}{tag}")
             engine.add_request(labels[-1], {"prompt_token_ids": p},
-                               SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, extra_args=extra))
+                               SamplingParams(max_tokens=spec.get("par_max_tokens", 16), temperature=0,
+                                              ignore_eos=True, extra_args=extra))
     outs = _drain(llm)
-    last = {k.split("-")[0]: list(v) for k, v in conn.stats.last.items() if k.split("-")[0] in labels}
+    last = {k.split("-")[0]: list(v) for k, v in conn.totals.last.items() if k.split("-")[0] in labels}
     res["parallel"] = {"tokens": {k: outs.get(k) for k in labels}, "lengths": lengths,
-                       "freed_blocks": conn.stats.freed_blocks - freed0, "reports": last,
+                       "freed_blocks": conn.totals.freed_blocks - freed0, "reports": last,
+                       "rounds": conn.totals.rounds,
                        "free_before": f0, "free_end": _free(llm)}
 
 
-SCENARIOS = {"parallel": run_parallel, "greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
+def run_greedy_long(llm, spec, res):
+    """8 prompts generating several hundred tokens; the eviction engine is given a budget with budget + T >=
+    prompt + generated (no round may run): the tokens must be stock's."""
+    from vllm import SamplingParams
+
+    tok = llm.get_tokenizer()
+    lengths = spec.get("long_lengths", [40, 120, 250, 333, 480, 555, 610, 700])
+    prompts = _text_prompts(tok, lengths, 2)
+    sp = SamplingParams(max_tokens=spec.get("long_max_tokens", 300), temperature=0, ignore_eos=True,
+                        extra_args=spec.get("long_extra_args"))
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"L{i}", {"prompt_token_ids": p}, sp)
+    outs = _drain(llm)
+    res["greedy_long"] = [outs[f"L{i}"] for i in range(len(prompts))]
+    conn = _core(llm).scheduler.connector
+    res["greedy_long_rounds"] = conn.totals.rounds if conn else None
+
+
+def run_decode_bound(llm, spec, res):
+    """A long prompt with a long answer and a short prompt with a very long answer, together: the blocks each
+    holds in vLLM's pool after every engine step, and how many rounds each ran."""
+    from vllm import SamplingParams
+
+    tok = llm.get_tokenizer()
+    cases = spec.get("bound_cases", [[1600, 700], [80, 1500]])
+    prompts = _text_prompts(tok, [n for n, _ in cases], 4)
+    engine = llm.llm_engine
+    extra = spec.get("bound_extra_args")
+    for i, (p, (_, gen)) in enumerate(zip(prompts, cases)):
+        engine.add_request(f"B{i}", {"prompt_token_ids": p},
+                           SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True, extra_args=extra))
+    traces: dict[str, list[int]] = {f"B{i}": [] for i in range(len(cases))}
+    computed: dict[str, list[int]] = {f"B{i}": [] for i in range(len(cases))}
+    sched = _core(llm).scheduler
+    # the test's own reading of vLLM's pool at the moment the plugin samples it (the scheduler has allocated
+    # the step's blocks and is about to hand the step to the workers)
+    during: dict[str, list[int]] = {f"B{i}": [] for i in range(len(cases))}
+    conn = sched.connector
+    if conn is not None:
+        orig_meta = conn.build_connector_meta
+
+        def build_connector_meta(scheduler_output):
+            held = _held(llm)
+            for rid in scheduler_output.num_scheduled_tokens:
+                key = rid.split("-")[0]
+                if key in during:
+                    during[key].append(held[key])
+            return orig_meta(scheduler_output)
+
+        conn.build_connector_meta = build_connector_meta
+
+    def on_step():
+        held = _held(llm)
+        for rid in traces:
+            if rid in held:
+                traces[rid].append(held[rid])
+        for r in sched.requests.values():
+            key = r.request_id.split("-")[0]
+            if key in computed:
+                computed[key].append(r.num_computed_tokens)
+
+    _drain(llm, on_step)
+    kv_held = {k.split("-")[0]: v for k, v in conn.totals.kv_held.items()} if conn is not None else {}
+    res["decode_bound"] = {"cases": cases, "held": traces, "computed": computed, "during": during,
+                           "plugin_kv_held": {k: v for k, v in kv_held.items() if k in during},
+                           "block_size": sched.kv_cache_manager.coordinator.single_type_managers[0].block_size,
+                           "rounds": conn.totals.rounds if conn else 0, "free_end": _free(llm),
+                           "num_blocks": sched.kv_cache_manager.block_pool.num_gpu_blocks}
+
+
+def run_budget_formula(llm, spec, res):
+    """Several budgets (with and without moments) on prompts of several lengths, prefill-only rounds
+    (T = 0): the blocks each request holds right after its prefill step, from vLLM's pool, and its layout."""
+    from vllm import SamplingParams
+
+    tok = llm.get_tokenizer()
+    rows = []
+    engine = llm.llm_engine
+    cases = spec.get("formula_cases", [])
+    for i, (n, budget, moments) in enumerate(cases):
+        prompt = _text_prompts(tok, [n], 30 + i)[0]
+        rid = f"F{i}"
+        extra = {"kv_budget": budget, "kv_moment_correction": moments, "kv_decode_interval": 0}
+        engine.add_request(rid, {"prompt_token_ids": prompt},
+                           SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, extra_args=extra))
+        held_after_prefill, lay = None, None
+        while engine.has_unfinished_requests():
+            engine.step()
+            if held_after_prefill is None:
+                held_after_prefill = _held(llm).get(rid)
+                lay = _layout_of(rid)
+        rows.append({"prompt": n, "budget": budget, "moments": moments, "held": held_after_prefill,
+                     "K": None if lay is None else lay.kept_blocks,
+                     "moment_pages": None if lay is None or lay.moment_page_ids is None
+                     else int(lay.moment_page_ids.shape[1])})
+    res["budget_formula"] = rows
+
+
+def run_short_moments(llm, spec, res):
+    """The reliability bug: moment correction on ordinary short prompts (20..300 tokens) at budget 128, in
+    one batch, with decode-time rounds; every request must finish and the engine go on."""
+    from vllm import SamplingParams
+
+    tok = llm.get_tokenizer()
+    lengths = spec.get("short_lengths", [20, 60, 100, 106, 150, 200, 300])
+    prompts = _text_prompts(tok, lengths, 8)
+    engine = llm.llm_engine
+    extra = {"kv_budget": 128, "kv_moment_correction": True, "kv_decode_interval": 32}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"S{i}", {"prompt_token_ids": p},
+                           SamplingParams(max_tokens=120, temperature=0, ignore_eos=True, extra_args=extra))
+    reasons: dict = {}
+    outs = _drain(llm, reasons=reasons)
+    conn = _core(llm).scheduler.connector
+    res["short_moments"] = {"lengths": lengths, "tokens": {k: len(v) for k, v in outs.items()},
+                            "reasons": reasons, "failures": dict(conn.totals.failures), "free_end": _free(llm)}
+
+
+def run_faults(llm, spec, res):
+    """The test-only fault switch is on (see the engine's env): a batch of ordinary evicting requests, some
+    aborted midway. Every request must end (served, recomputed, or failed alone with an error), the
+    failures be counted, and nothing be left in the pool or on the worker."""
+    from vllm import SamplingParams
+
+    from vllm_contour.integration.state import worker_state
+
+    tok = llm.get_tokenizer()
+    rnd = random.Random(13)
+    lengths = [rnd.choice([30, 90, 200, 400, 700, 1100]) for _ in range(spec.get("fault_requests", 16))]
+    prompts = _text_prompts(tok, lengths, 9)
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        extra = {"kv_moment_correction": bool(i % 2), "kv_decode_interval": 32}
+        engine.add_request(f"X{i}", {"prompt_token_ids": p},
+                           SamplingParams(max_tokens=rnd.choice([40, 90, 150]), temperature=0, ignore_eos=True,
+                                          extra_args=extra))
+    aborted = ["X3", "X7"]
+    reasons: dict = {}
+    step = [0]
+
+    def on_step():
+        step[0] += 1
+        if step[0] == 40:
+            engine.abort_request([r for r in aborted if r not in reasons])
+
+    outs = _drain(llm, on_step, reasons)
+    engine.add_request("tail", {"prompt_token_ids": prompts[0][:40]}, SamplingParams(max_tokens=2))
+    _drain(llm)
+    engine.step()
+    sched = _core(llm).scheduler
+    st = worker_state()
+    res["faults"] = {"requests": len(prompts), "finished": sorted(outs), "reasons": reasons,
+                     "lengths": {k: len(v) for k, v in outs.items()}, "aborted": aborted,
+                     "failures": dict(sched.connector.totals.failures), "rounds": sched.connector.totals.rounds,
+                     "free_end": _free(llm), "num_blocks": sched.kv_cache_manager.block_pool.num_gpu_blocks,
+                     "requests_left": len(sched.requests), "worker_requests_left": sorted(st.requests)}
+
+
+SCENARIOS = {"greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
+             "short_moments": run_short_moments, "faults": run_faults,
+             "parallel": run_parallel, "greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
              "preempt_abort": run_preempt_abort}
 
 

@@ -13,7 +13,8 @@ import random
 
 import torch
 
-from vllm_contour.layout import compaction_indices, decode_page_table, kept_blocks_for, plan_layout
+from vllm_contour.layout import (compaction_indices, decode_page_table, kept_blocks_for, plan_layout,
+                                 region_source_table)
 from vllm_contour.moments import accumulate
 from vllm_contour.ops.cpu_layout import KEY_ROWS, KEY_TRANSPOSED, cpu_kv_views
 
@@ -93,7 +94,7 @@ def compaction_moves(seed: int, nb: int, h: int, bs: int):
         kept.append(torch.tensor(sorted(rnd.sample(range(e * bs), p * bs)), dtype=torch.int64))
     pages_t = torch.tensor([pages])  # at most e pages per head: fits in the region's e blocks
     lay = plan_layout(pages_t, block_ids, bs, h, e)
-    return compaction_indices(kept, lay.page_ids[0], block_ids, bs, h)
+    return compaction_indices(kept, lay.page_ids[0], region_source_table(block_ids, h), bs)
 
 
 def permutation_moves(seed: int, nb: int, h: int, bs: int, m: int):

@@ -7,8 +7,10 @@ import torch
 
 from vllm_contour import ops
 from vllm_contour.config import EvictionConfig, resolve_request
-from vllm_contour.evictor import base_layer_pages, evict_request
-from vllm_contour.layout import compaction_indices, decode_page_table, kept_blocks_for, plan_layout
+from vllm_contour.budget import BudgetError, page_budget
+from vllm_contour.evictor import PlanError, apply_round, plan_round
+from vllm_contour.layout import (compaction_indices, decode_page_table, kept_blocks_for, plan_layout,
+                                 region_source_table)
 from vllm_contour.ops.cpu_layout import KEY_TRANSPOSED, cpu_kv_views
 from vllm_contour.ops.reference import dense_attention_ref
 
@@ -25,8 +27,8 @@ def test_kept_blocks_is_sum_over_heads_not_max():
     # 3 heads keep 5, 1, 0 pages: 6 head-pages -> 2 blocks (not 3 heads x 5 = 5 blocks)
     pages = torch.tensor([[5, 1, 0], [2, 2, 2]])
     assert kept_blocks_for(pages, 3) == 2
-    lay = plan_layout(pages, list(range(10, 20)), 16, 3, region_blocks=6)
-    assert lay.kept_blocks == 2 and lay.freed_blocks == 4
+    lay = plan_layout(pages, list(range(10, 16)), 16, 3, region_blocks=6)
+    assert lay.kept_blocks == 2 and lay.block_ids == [10, 11] and lay.block_slots == [0, 1]
     assert lay.total_head_pages == 12
     # head 0 of layer 0 borrows lanes 1 and 2 of block 10 and of block 11
     assert lay.page_ids[0, 0, :5].tolist() == [30, 31, 32, 33, 34]
@@ -39,7 +41,7 @@ def test_kept_blocks_is_sum_over_heads_not_max():
 
 def test_layout_refuses_more_pages_than_region():
     with pytest.raises(ValueError):
-        plan_layout(torch.tensor([[4, 0]]), [1, 2, 3], 16, 2, region_blocks=3)
+        plan_layout(torch.tensor([[4, 3]]), [1, 2, 3], 16, 2, region_blocks=3)  # 7 pages, 6 slots
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -53,7 +55,7 @@ def test_compaction_moves_exactly_the_kept_tokens(dtype):
     pages = torch.tensor([[4, 1, 2]])
     kept = [torch.sort(torch.randperm(e * bs, generator=rng)[: int(p) * bs]).values for p in pages[0]]
     lay = plan_layout(pages, block_ids, bs, h, e)
-    sp, so, dp, do = compaction_indices(kept, lay.page_ids[0], block_ids, bs, h)
+    sp, so, dp, do = compaction_indices(kept, lay.page_ids[0], region_source_table(block_ids, h), bs)
     ops.compact(kc, vc, sp, so, dp, do, impl="torch")
     for head in range(h):
         for j, t in enumerate(kept[head].tolist()):
@@ -112,75 +114,212 @@ def test_ragged_decode_equals_dense_attention_over_kept_and_tail(impl, seed):
                 torch.testing.assert_close(lse[r, hh * g : (hh + 1) * g], lse_ref, rtol=1e-4, atol=1e-4)
 
 
-def test_evict_request_keeps_budget_and_packs_raggedly():
+def _budget(params, h, bs, d, elem=4):
+    return page_budget(params.budget, num_kv_heads=h, block_size=bs, head_dim=d, elem_size=elem,
+                       sink_tokens=params.sink_tokens, recent_window=params.recent_window,
+                       moments=params.moment_correction)
+
+
+def _round(caches, block_ids, num_tokens, params, scale, prev=None, **kw):
+    h, bs, d = caches[0][0].shape[1:]
+    plan = plan_round(caches, block_ids, num_tokens, params, _budget(params, h, bs, d), scale, prev=prev, **kw)
+    return None if plan is None else (apply_round(caches, plan), plan)
+
+
+def test_first_round_keeps_the_budget_in_whole_blocks_and_packs_raggedly():
     h, bs, d, nb, layers = 3, 16, 32, 80, 4
     caches = [cpu_cache(nb, h, bs, d, seed=s)[1:] for s in range(layers)]
     num_tokens = 20 * bs + 5
     block_ids = list(range(50, 71))
-    params = resolve_request(EvictionConfig(policy="knorm", budget=64, recent_window=8, sink_tokens=2), None)
+    params = resolve_request(EvictionConfig(policy="knorm", budget=70, recent_window=8, sink_tokens=2), None)
     before = [(k.clone(), v.clone()) for k, v in caches]
-    res = evict_request(caches, block_ids, num_tokens, params, scale=d ** -0.5)
-    lay = res.layout
+    lay, plan = _round(caches, block_ids, num_tokens, params, scale=d ** -0.5)
     assert lay.region_blocks == 20
-    expected = base_layer_pages(64, h, bs, 5)
-    assert (lay.pages.sum(dim=1) == expected).all()
-    assert lay.kept_blocks == -(-expected // h)
-    # tail block (index 20) untouched
+    # 70 tokens per head = 4 whole blocks of 16: every layer holds 3 heads x 4 head-pages
+    assert (lay.pages.sum(dim=1) == 12).all()
+    assert lay.kept_blocks == 4 and lay.block_ids == block_ids[:4] and lay.block_slots == [0, 1, 2, 3]
+    assert plan.freed_slots == list(range(4, 20)) and plan.freed_blocks == block_ids[4:20]
+    # partial tail block (index 20) untouched; kept positions are region positions, sorted, sinks first
     for (k0, v0), (k1, v1) in zip(before, caches):
         assert torch.equal(k0[70], k1[70]) and torch.equal(v0[70], v1[70])
+    for layer in range(layers):
+        for hh in range(h):
+            pos = lay.kept_positions(layer, hh)
+            assert pos[:2].tolist() == [0, 1] and bool((pos[1:] > pos[:-1]).all()) and int(pos.max()) < 20 * bs
 
 
-def test_evict_request_budget_above_prompt_is_a_permutation():
+def test_budget_at_least_the_prompt_plans_nothing():
     h, bs, d, nb = 2, 16, 32, 30
     caches = [cpu_cache(nb, h, bs, d, seed=s)[1:] for s in range(2)]
-    num_tokens = 5 * bs
     block_ids = [3, 9, 4, 20, 11]
-    before = [(k.clone(), v.clone()) for k, v in caches]
-    params = resolve_request(EvictionConfig(policy="streaming", budget=10_000), None)
-    lay = evict_request(caches, block_ids, num_tokens, params, scale=1.0).layout
-    assert lay.kept_blocks == lay.region_blocks == 5
-    for layer, ((k0, _), (k1, _)) in enumerate(zip(before, caches)):
-        for head in range(h):
-            tab, sl = decode_page_table(lay, [], 0)
-            ks, _ = _explicit_kv(k1, k1, tab[layer, head], int(sl[layer, head]), bs, h)
-            orig = k0[block_ids].permute(1, 0, 2, 3).reshape(h, -1, d)[head]
-            assert torch.equal(ks, orig)
+    for moments in (False, True):
+        params = resolve_request(EvictionConfig(policy="streaming", budget=5 * bs + 3, moment_correction=moments),
+                                 None)
+        assert plan_round(caches, block_ids, 5 * bs, params, _budget(params, h, bs, d), 1.0) is None
 
 
-def test_moment_pages_are_counted_and_round_trip():
-    from vllm_contour import moments as mm
-    from vllm_contour.evictor import moment_pages_for, read_moments
+def test_budget_below_the_floor_is_refused_naming_it():
+    with pytest.raises(BudgetError, match=r"floor of 64 tokens.*--kv-sink-tokens, --kv-recent-window"):
+        page_budget(40, num_kv_heads=3, block_size=32, head_dim=64, elem_size=4, sink_tokens=4,
+                    recent_window=32, moments=False)
+    # moments take 4 head-pages per layer of 3 heads (64 dims, fp32): the floor rises to 4 blocks
+    with pytest.raises(BudgetError, match=r"floor of 128 tokens.*--kv-moment-correction"):
+        page_budget(96, num_kv_heads=3, block_size=32, head_dim=64, elem_size=4, sink_tokens=4,
+                    recent_window=32, moments=True)
+    pb = page_budget(128, num_kv_heads=3, block_size=32, head_dim=64, elem_size=4, sink_tokens=4,
+                     recent_window=32, moments=True)
+    assert (pb.layer_pages, pb.moment_pages, pb.token_pages, pb.kept_blocks) == (12, 4, 8, 4)
 
-    h, bs, d, nb, layers = 3, 32, 64, 60, 2
+
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("moments", [False, True])
+def test_held_blocks_never_exceed_the_budget_over_prompt_lengths(bs, moments):
+    """The reliability bug (moment pages on short prompts): for every prompt length x budget, a round either
+    plans nothing or holds at most budget // bs blocks, moment pages included."""
+    h, d, layers = 3, 64, 2
+    nb = 4096 // bs + 4
     caches = [cpu_cache(nb, h, bs, d, seed=s)[1:] for s in range(layers)]
-    num_tokens = 24 * bs
-    block_ids = list(range(10, 34))
-    keys0 = [k[block_ids].permute(1, 0, 2, 3).reshape(h, -1, d).clone() for k, _ in caches]
-    vals0 = [v[block_ids].permute(1, 0, 2, 3).reshape(h, -1, d).clone() for _, v in caches]
-    base = EvictionConfig(policy="knorm", budget=256, recent_window=8, sink_tokens=2)
-    plain = evict_request([(k.clone(), v.clone()) for k, v in caches], block_ids, num_tokens,
-                          resolve_request(base, None), scale=d ** -0.5).layout
-    params = resolve_request(base, {"kv_moment_correction": True})
-    lay = evict_request(caches, block_ids, num_tokens, params, scale=d ** -0.5).layout
-    m = moment_pages_for(h, d, bs, 4)
-    assert m == 4 and lay.moment_page_ids.shape == (layers, m)
-    # the statistics take pages from the same budget: token pages + moment pages = plain token pages
-    assert (lay.pages.sum(dim=1) + m == plain.pages.sum(dim=1)).all()
+    for budget in (64, 96, 128, 200, 256, 512):
+        params = resolve_request(EvictionConfig(policy="knorm", budget=budget, moment_correction=moments), None)
+        try:
+            pb = _budget(params, h, bs, d)
+        except BudgetError:
+            assert moments and budget < 128 * (bs // 16 if bs == 32 else 1) or budget < 64
+            continue
+        for n in (20, 60, 100, 106, 150, 300, 700, 2000):
+            block_ids = list(range(1, (n + bs - 1) // bs + 1))
+            plan = plan_round(caches, block_ids, n, params, pb, d ** -0.5)
+            if n <= budget:
+                assert plan is None, (budget, n)
+                continue
+            if plan is None:
+                assert h * (n // bs) <= pb.layer_pages
+                continue
+            lay = plan.layout
+            assert lay.kept_blocks <= budget // bs, (budget, n, lay.kept_blocks)
+            assert (lay.pages.sum(dim=1) + pb.moment_pages <= pb.layer_pages).all()
+            assert (lay.moment_page_ids is not None) == moments
+
+
+def _truth(layers, h, d, n_pos, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(layers, h, n_pos, d, generator=g), torch.randn(layers, h, n_pos, d, generator=g)
+
+
+class _Request:
+    """A request's blocks in a cache: tokens are written densely as they are 'generated'; a round frees
+    blocks (they are handed to nobody, and overwritten with garbage to catch stale reads)."""
+
+    def __init__(self, caches, truth, bs, free_pool):
+        self.caches, self.truth, self.bs, self.pool = caches, truth, bs, free_pool
+        self.block_ids: list[int] = []
+        self.n = 0
+
+    def append(self, count):
+        tk, tv = self.truth
+        for _ in range(count):
+            if self.n % self.bs == 0:
+                self.block_ids.append(self.pool.pop())
+            b, off = self.block_ids[self.n // self.bs], self.n % self.bs
+            for layer, (kc, vc) in enumerate(self.caches):
+                kc[b, :, off] = tk[layer, :, self.n]
+                vc[b, :, off] = tv[layer, :, self.n]
+            self.n += 1
+
+    def free(self, slots):
+        for s in slots:
+            b = self.block_ids[s]
+            for kc, vc in self.caches:
+                kc[b].fill_(1e4)
+                vc[b].fill_(-1e4)
+            self.block_ids[s] = -1
+
+
+@pytest.mark.parametrize("policy,moments", [("snapkv", False), ("snapkv", True), ("knorm", True),
+                                            ("h2o", False), ("contour_diverse", False)])
+def test_several_rounds_keep_original_tokens_and_decode_equals_dense_attention(policy, moments):
+    """Prompt, then rounds every T generated tokens: each head's kept tokens are exactly original tokens at
+    the positions the layout records (lane borrowing across rounds), the blocks held stay within the
+    budget, moment n equals the tokens evicted so far (and sum_k their keys), and the decode op over
+    kept + tail equals dense attention over exactly those tokens (moments on: plus the closed form)."""
+    from vllm_contour import moments as mm
+
+    h, g, bs, d, layers = 3, 3, 16, 32, 2
+    budget, interval = 96, 32
+    nb = 200
+    caches = [cpu_cache(nb, h, bs, d, seed=s)[1:] for s in range(layers)]
+    truth = _truth(layers, h, d, 1000, seed=3)
+    req = _Request(caches, truth, bs, list(range(nb - 1, 0, -1)))
+    params = resolve_request(EvictionConfig(policy=policy, budget=budget, recent_window=8, sink_tokens=2,
+                                            moment_correction=moments), None)
+    pb = _budget(params, h, bs, d)
+    scale = d ** -0.5
+    gq = torch.Generator().manual_seed(9)
+    req.append(200)
+    lay = None
+    for _ in range(5):
+        w = 8
+        qpos = torch.arange(req.n - w, req.n)
+        queries = {layer: torch.randn(h * g, w, d, generator=gq) for layer in range(layers)}
+        plan = plan_round(caches, req.block_ids, req.n, params, pb, scale, prev=lay, queries=queries,
+                          query_positions=qpos)
+        assert plan is not None
+        lay = apply_round(caches, plan)
+        req.free(plan.freed_slots)
+        held = sum(1 for b in req.block_ids if b >= 0)
+        assert lay.kept_blocks <= budget // bs
+        assert held <= pb.held_blocks_bound(interval) + 1
+        req.append(interval)
+    tk, tv = truth
+    e = lay.region_blocks
+    tail_tokens = req.n - e * bs
+    tail_blocks = req.block_ids[e:]
+    table, seq_lens = decode_page_table(lay, tail_blocks, tail_tokens)
+    q = torch.randn(1, h * g, d, generator=gq)
     for layer, (kc, vc) in enumerate(caches):
-        got = read_moments(kc, lay.moment_page_ids[layer], h, d)
-        evicted = torch.ones(h, num_tokens, dtype=torch.bool)
-        tab, sl = decode_page_table(lay, [], 0)
+        mom = None
+        if moments:
+            mom = ops.load_moments(kc, vc, lay.moment_page_ids[layer].to(torch.int64).view(1, -1), h, d)
+        out, _ = ops.ragged_decode_attention(q, kc, vc, table[layer].unsqueeze(0), seq_lens[layer].unsqueeze(0),
+                                             scale, moments=mom, impl="torch")
         for hh in range(h):
-            ks, _ = _explicit_kv(kc, vc, tab[layer, hh], int(sl[layer, hh]), bs, h)
-            # kept keys are exactly original tokens; mark them
-            for row in ks:
-                j = int(((keys0[layer][hh] - row).abs().sum(-1) == 0).nonzero()[0])
-                evicted[hh, j] = False
-        want = mm.accumulate(keys0[layer], vals0[layer], evicted)
-        torch.testing.assert_close(got["n"], want.n)
-        # fp32 sums over ~600 tokens in another order (the C++ op accumulates per token)
-        for key, w in (("sum_k", want.sum_k), ("sum_v", want.sum_v), ("sum_vk", want.sum_vk)):
-            torch.testing.assert_close(got[key], w, rtol=1e-4, atol=1e-4)
+            pos = lay.kept_positions(layer, hh)
+            ks, vs = _explicit_kv(kc, vc, table[layer, hh], int(seq_lens[layer, hh]), bs, h)
+            want_pos = torch.cat([pos, torch.arange(e * bs, req.n)])
+            assert torch.equal(ks, tk[layer, hh, want_pos]) and torch.equal(vs, tv[layer, hh, want_pos])
+            o_ref, lse_ref = dense_attention_ref(q[0, hh * g:(hh + 1) * g], tk[layer, hh, want_pos][None],
+                                                 tv[layer, hh, want_pos][None], scale)
+            evicted = torch.ones(e * bs, dtype=torch.bool)
+            evicted[pos] = False
+            assert int(lay.evicted[layer, hh]) == int(evicted.sum())
+            if moments:
+                assert int(mom["n"][0, hh]) == int(evicted.sum())
+                torch.testing.assert_close(mom["sum_k"][0, hh], tk[layer, hh, :e * bs][evicted].sum(0),
+                                           rtol=1e-4, atol=1e-3)
+                ev = mm.Moments(mom["n"][0, hh:hh + 1], mom["sum_k"][0, hh:hh + 1], mom["sum_v"][0, hh:hh + 1],
+                                mom["sum_vk"][0, hh:hh + 1])
+                qg = q[0, hh * g:(hh + 1) * g].view(1, g, d)
+                o_ref, _ = mm.merge_evicted(o_ref.view(1, g, d), lse_ref.view(1, g), qg, ev, scale)
+                o_ref = o_ref.view(g, d)
+            torch.testing.assert_close(out[0, hh * g:(hh + 1) * g], o_ref, rtol=1e-4, atol=1e-4)
+    assert lay.rounds == 5
+
+
+def test_round_with_nothing_new_plans_nothing_and_plan_errors_write_nothing():
+    h, bs, d, nb = 2, 16, 32, 64
+    caches = [cpu_cache(nb, h, bs, d, seed=s)[1:] for s in range(2)]
+    params = resolve_request(EvictionConfig(policy="knorm", budget=64), None)
+    pb = _budget(params, h, bs, d)
+    block_ids = list(range(1, 21))
+    lay, _ = _round(caches, block_ids, 20 * bs, params, 1.0)
+    assert plan_round(caches, block_ids + [25], 20 * bs + 3, params, pb, 1.0, prev=lay) is None
+    snapshot = [(k.clone(), v.clone()) for k, v in caches]
+    with pytest.raises(PlanError, match="needs window queries"):
+        sp = resolve_request(EvictionConfig(policy="snapkv", budget=64), None)
+        plan_round(caches, block_ids + [30, 31], 22 * bs, sp, pb, 1.0, prev=lay)
+    with pytest.raises(PlanError, match="blocks"):
+        plan_round(caches, block_ids[:3], 20 * bs, params, pb, 1.0)
+    assert all(torch.equal(a, c) and torch.equal(b, e) for (a, b), (c, e) in zip(snapshot, caches))
 
 
 def test_query_agnostic_keeps_question_dense_and_ignores_it():
@@ -194,8 +333,8 @@ def test_query_agnostic_keeps_question_dense_and_ignores_it():
     for k, v in b:
         for t in range(ctx, num_tokens):
             k[block_ids[t // bs], :, t % bs] += 5.0
-    la = evict_request(a, block_ids, num_tokens, params, scale=d ** -0.5).layout
-    lb = evict_request(b, block_ids, num_tokens, params, scale=d ** -0.5).layout
+    la, _ = _round(a, block_ids, num_tokens, params, scale=d ** -0.5)
+    lb, _ = _round(b, block_ids, num_tokens, params, scale=d ** -0.5)
     assert la.region_blocks == ctx // bs == 15
     assert torch.equal(la.pages, lb.pages) and torch.equal(la.page_ids, lb.page_ids)
     for (ka, _), (kb, _) in zip(a, b):

@@ -1,13 +1,21 @@
 """CPU attention backend override: stock behaviour for ordinary rows, ragged decode for compacted ones.
 
 Registered over ``CPU_ATTN`` by the plugin. With eviction off it hands out vLLM's own builder and impl
-classes unchanged, so the stock path is byte-identical.
+classes unchanged, so the stock path is byte-identical. With eviction on:
+- the builder finds the batch rows of compacted requests (by their first block), gives them a harmless
+  one-token context for the stock kernel and builds their per-layer page tables (kept run ++ dense
+  tail); it also lists the query tokens whose window queries a coming round needs;
+- the impl runs vLLM's kernel, then overwrites the compacted rows' outputs with the ragged decode op and
+  stages the listed queries.
+A compacted row whose page table cannot be built, or whose ragged op fails (and the torch reference after
+it), is reported: the plugin's scheduler finishes that request with an error; nothing raises.
 """
 
 from __future__ import annotations
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.logger import init_logger
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -17,9 +25,10 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm_contour import ops
 from vllm_contour.config import EvictionConfig
 from vllm_contour.integration.state import CaptureRows, DecodeRows, worker_state
-from vllm_contour.evictor import read_moments
 from vllm_contour.layout import decode_page_table
 from vllm_contour.ops.cpu_layout import cpu_kv_views, detect_key_layout
+
+logger = init_logger("vllm.contour")
 
 
 def layer_kv_views(kv_cache: torch.Tensor):
@@ -56,75 +65,96 @@ class ContourCPUAttentionBackend(CPUAttentionBackend):
 
 class ContourCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        st = worker_state()
         cm = common_attn_metadata
-        n = cm.num_reqs
-        decode_rows = None
-        capture = None
-        if st.compacted or st.key_to_capture:
-            first_blocks = cm.block_table_tensor[:n, 0].tolist()
-            qsl = cm.query_start_loc_cpu if hasattr(cm, "query_start_loc_cpu") else cm.query_start_loc
-            qsl = qsl[: n + 1].tolist()
-            seq_lens = cm.seq_lens[:n].tolist()
-            rows, entries = [], []
-            for r, key in enumerate(first_blocks):
-                req_id = st.key_to_req.get(key)
-                if req_id is not None:
-                    rows.append((r, req_id))
-                    continue
-                cap = st.key_to_capture.get(key)
-                if cap is not None:
-                    q_len = qsl[r + 1] - qsl[r]
-                    first_pos = seq_lens[r] - q_len  # positions of this row: [first_pos, seq_len)
-                    a, b = max(cap.start, first_pos), min(cap.end, seq_lens[r])
-                    if a < b:
-                        entries.append((cap.req_id, qsl[r] + (a - first_pos), b - a, a))
-            if entries:
-                capture = CaptureRows(entries)
-            if rows:
-                decode_rows = self._decode_rows(rows, cm, qsl, seq_lens)
-                new_seq = cm.seq_lens.clone()
-                idx = torch.tensor([r for r, _ in rows], dtype=torch.int64)
-                # The stock kernel still runs over the whole batch; give compacted rows a harmless
-                # one-token context (slot 0 of their kept block 0) and overwrite their output later.
-                new_seq[idx] = 1
-                cm = cm.replace(seq_lens=new_seq)
+        decode_rows = capture = None
+        try:
+            decode_rows, capture, cm = self._contour_rows(cm)
+        except Exception as e:  # never into vLLM: the step runs as stock for every row
+            logger.warning("kv_eviction: metadata for compacted rows failed (%s)", e)
+            st = worker_state()
+            for req_id in list(st.key_to_req.values()):
+                st.forward_errors[req_id] = f"metadata: {e}"
+            decode_rows = capture = None
+            cm = common_attn_metadata
         md = super().build(common_prefix_len, cm, fast_build)
         md.contour_decode = decode_rows
         md.contour_capture = capture
         return md
 
-    def _decode_rows(self, rows, cm, qsl, seq_lens) -> DecodeRows:
+    def _contour_rows(self, cm):
+        st = worker_state()
+        if not st.key_to_req and not st.capture_keys:
+            return None, None, cm
+        n = cm.num_reqs
+        first_blocks = cm.block_table_tensor[:n, 0].tolist()
+        qsl = cm.query_start_loc_cpu if hasattr(cm, "query_start_loc_cpu") else cm.query_start_loc
+        qsl = qsl[: n + 1].tolist()
+        seq_lens = cm.seq_lens[:n].tolist()
+        rows, cap_idx, owners = [], [], []
+        for r, key in enumerate(first_blocks):
+            cap = st.capture_keys.get(key)
+            if cap is not None:
+                q_len = qsl[r + 1] - qsl[r]
+                first_pos = seq_lens[r] - q_len  # positions of this row: [first_pos, seq_len)
+                a, b = max(cap.start, first_pos), min(cap.end, seq_lens[r])
+                if a < b:
+                    owners.append((cap.req_id, len(cap_idx), b - a, a))
+                    cap_idx.extend(range(qsl[r] + (a - first_pos), qsl[r] + (b - first_pos)))
+            req_id = st.key_to_req.get(key)
+            if req_id is not None:
+                rows.append((r, req_id))
+        capture = CaptureRows(torch.tensor(cap_idx, dtype=torch.int64), owners) if owners else None
+        decode_rows = None
+        if rows:
+            decode_rows = self._decode_rows(rows, cm, qsl, seq_lens)
+            if decode_rows is not None:
+                new_seq = cm.seq_lens.clone()
+                # The stock kernel still runs over the whole batch; give compacted rows a harmless
+                # one-token context (slot 0 of their kept block 0) and overwrite their output later.
+                new_seq[decode_rows.rows] = 1
+                cm = cm.replace(seq_lens=new_seq)
+        return decode_rows, capture, cm
+
+    def _decode_rows(self, rows, cm, qsl, seq_lens) -> DecodeRows | None:
         st = worker_state()
         bs = self.block_size
-        tables, lens, row_idx, tok_idx = [], [], [], []
+        tables, lens, row_idx, tok_idx, req_ids = [], [], [], [], []
         for r, req_id in rows:
-            c = st.compacted[req_id]
-            if qsl[r + 1] - qsl[r] != 1:
-                raise RuntimeError(f"compacted request {req_id} scheduled {qsl[r + 1] - qsl[r]} tokens; "
-                                   "only single-token decode steps are supported after eviction")
-            e = c.region_blocks
-            tail_tokens = seq_lens[r] - e * bs
-            n_tail = (tail_tokens + bs - 1) // bs
-            tail_blocks = cm.block_table_tensor[r, e : e + n_tail].tolist()
-            t, s = decode_page_table(c.layout, tail_blocks, tail_tokens)
+            try:
+                lay = st.requests[req_id].layout
+                if qsl[r + 1] - qsl[r] != 1:
+                    raise RuntimeError(f"{qsl[r + 1] - qsl[r]} tokens scheduled in one step; only single-token "
+                                       "decode steps are supported on a compacted request")
+                e = lay.region_blocks
+                tail_tokens = seq_lens[r] - e * bs
+                if tail_tokens < 0:
+                    raise RuntimeError(f"sequence of {seq_lens[r]} tokens ends before its compacted region")
+                n_tail = (tail_tokens + bs - 1) // bs
+                tail_blocks = cm.block_table_tensor[r, e : e + n_tail].tolist()
+                t, s = decode_page_table(lay, tail_blocks, tail_tokens)
+            except Exception as e:
+                st.forward_errors[req_id] = f"metadata: {e}"
+                continue
             tables.append(t)
             lens.append(s)
             row_idx.append(r)
             tok_idx.append(qsl[r])
+            req_ids.append(req_id)
+        if not tables:
+            return None
         width = max(t.shape[2] for t in tables)
         num_layers, h = tables[0].shape[:2]
-        page_table = torch.zeros((num_layers, len(rows), h, width), dtype=torch.int32)
+        page_table = torch.zeros((num_layers, len(tables), h, width), dtype=torch.int32)
         for i, t in enumerate(tables):
             page_table[:, i, :, : t.shape[2]] = t
             if t.shape[2] < width:  # pad with a valid page id (masked by seq_lens)
                 page_table[:, i, :, t.shape[2]:] = t[:, :, :1]
         moment_pages = has_moments = None
-        lays = [st.compacted[req_id].layout for _, req_id in rows]
+        lays = [st.requests[req_id].layout for req_id in req_ids]
         if any(lay.moment_page_ids is not None for lay in lays):
             m = max(lay.moment_page_ids.shape[1] for lay in lays if lay.moment_page_ids is not None)
-            moment_pages = torch.zeros((num_layers, len(rows), m), dtype=torch.int32)
-            has_moments = torch.zeros(len(rows), dtype=torch.bool)
+            moment_pages = torch.zeros((num_layers, len(lays), m), dtype=torch.int32)
+            has_moments = torch.zeros(len(lays), dtype=torch.bool)
             for i, lay in enumerate(lays):
                 if lay.moment_page_ids is None:
                     moment_pages[:, i] = page_table[:, i, 0, :1]
@@ -133,7 +163,7 @@ class ContourCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                     moment_pages[:, i, : mp.shape[1]] = mp
                     moment_pages[:, i, mp.shape[1]:] = mp[:, :1]
                     has_moments[i] = True
-        return DecodeRows(rows=torch.tensor(row_idx), token_idx=torch.tensor(tok_idx),
+        return DecodeRows(rows=torch.tensor(row_idx), token_idx=torch.tensor(tok_idx), req_ids=req_ids,
                           page_table=page_table, seq_lens=torch.stack(lens, dim=1),
                           moment_pages=moment_pages, has_moments=has_moments)
 
@@ -153,26 +183,39 @@ class ContourCPUAttentionImpl(CPUAttentionBackendImpl):
         layer_idx = st.layer_index[layer.layer_name]
         q3 = query.view(query.shape[0], self.num_heads, self.head_size)
         if capture is not None:
-            for req_id, start, n, pos0 in capture.entries:
-                cap = st.captures.get(req_id)
-                if cap is None:
-                    continue
-                cap.queries.setdefault(layer_idx, []).append(q3[start : start + n].permute(1, 0, 2).clone())
-                if layer_idx == 0:
-                    cap.positions.append(torch.arange(pos0, pos0 + n))
+            try:
+                st.staged[layer_idx] = q3[capture.token_idx].clone()
+                st.staged_rows = capture
+            except Exception as e:
+                logger.warning("kv_eviction: could not capture window queries (%s)", e)
         if decode is not None:
-            key_cache, value_cache = layer_kv_views(kv_cache)
-            q = q3[decode.token_idx]
-            moments = None
-            if decode.moment_pages is not None:
-                h = key_cache.shape[1]
-                moments = read_moments(key_cache, decode.moment_pages[layer_idx], h, self.head_size)
-                keep = decode.has_moments
-                moments = {k: torch.where(keep.view(-1, *([1] * (v.dim() - 1))), v, torch.zeros_like(v))
-                           for k, v in moments.items()}
-            o, _ = ops.ragged_decode_attention(q, key_cache, value_cache, decode.page_table[layer_idx],
-                                               decode.seq_lens[layer_idx], self.scale, moments=moments,
-                                               native=True)
-            out3 = output.view(output.shape[0], self.num_heads, self.head_size)
-            out3[decode.token_idx] = o.to(out3.dtype)
+            self._ragged(q3, kv_cache, decode, layer_idx, output)
         return out
+
+    def _ragged(self, q3, kv_cache, decode: DecodeRows, layer_idx: int, output) -> None:
+        st = worker_state()
+        key_cache, value_cache = layer_kv_views(kv_cache)
+        q = q3[decode.token_idx]
+        out3 = output.view(output.shape[0], self.num_heads, self.head_size)
+        last = None
+        for impl in (None, "torch"):  # the best implementation, then the reference
+            try:
+                moments = None
+                if decode.moment_pages is not None:
+                    h = key_cache.shape[1]
+                    moments = ops.load_moments(key_cache, value_cache,
+                                               decode.moment_pages[layer_idx].to(torch.int64), h, self.head_size)
+                    keep = decode.has_moments
+                    moments = {k: torch.where(keep.view(-1, *([1] * (v.dim() - 1))), v, torch.zeros_like(v))
+                               for k, v in moments.items()}
+                o, _ = ops.ragged_decode_attention(q, key_cache, value_cache, decode.page_table[layer_idx],
+                                                   decode.seq_lens[layer_idx], self.scale, moments=moments,
+                                                   native=True, impl=impl)
+                out3[decode.token_idx] = o.to(out3.dtype)
+                return
+            except Exception as e:
+                last = e
+                if impl is None:
+                    logger.warning("kv_eviction: ragged decode failed (%s); retrying with the torch reference", e)
+        for req_id in decode.req_ids:
+            st.forward_errors[req_id] = f"ragged decode: {last}"

@@ -4,7 +4,9 @@
 vLLM has no API for a general plugin to add CLI flags. The plugin wraps three EngineArgs methods:
 ``add_cli_args`` (adds the flag group; ``AsyncEngineArgs.add_cli_args`` loads plugins right before it
 calls this), ``from_cli_args`` (folds the flags into ``additional_config``) and ``create_engine_config``
-(validates, then sets the KV connector, turns prefix caching off and picks a small block size).
+(validates, then sets the KV connector and the plugin's scheduler class, turns prefix caching off and
+picks a small block size; once vLLM has built the config, checks the budget against the model's cache:
+a budget below the per-head floor stops the server with a message naming the floor and its flags).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from vllm_contour.config import ADDITIONAL_CONFIG_KEY, EvictionConfig, EvictionC
 
 CONNECTOR_NAME = "ContourKVConnector"
 CONNECTOR_MODULE = "vllm_contour.integration.connector"
+SCHEDULER_CLS = "vllm_contour.integration.scheduler.ContourScheduler"
 DEFAULT_EVICTION_BLOCK_SIZE = 32
 
 # flag dest -> config field
@@ -27,10 +30,14 @@ _FLAGS = {
     "kv_sink_tokens": "sink_tokens",
     "kv_observation_window": "window",
     "kv_moment_correction": "moment_correction",
+    "kv_decode_interval": "decode_interval",
 }
 
 # Server config seen in this process (API server / offline LLM); used to validate per-request keys.
 ACTIVE_CONFIG: EvictionConfig | None = None
+# The KV cache shape of one rank (set once vLLM has built its config); per-request budgets are checked
+# against it.
+ACTIVE_SHAPE = None
 
 
 def add_eviction_args(parser):
@@ -46,7 +53,12 @@ def add_eviction_args(parser):
     group.add_argument("--kv-eviction-policy", dest="kv_eviction_policy", type=str, default=None,
                        metavar="NAME", help=f"Eviction policy; 'none' = off (stock vLLM). Policies: {helps}.")
     group.add_argument("--kv-budget", dest="kv_budget", type=str, default=None, metavar="TOKENS",
-                       help="Mean prompt tokens kept per KV head per layer after prefill (default 128).")
+                       help="Tokens kept per KV head per layer on average, moment pages included; whole "
+                            "blocks (default 128).")
+    group.add_argument("--kv-decode-interval", dest="kv_decode_interval", type=str, default=None, metavar="T",
+                       help="Dense tail (tokens) a request grows before the policy runs again over its kept "
+                            "tokens plus the tail; a multiple of the block size, 0 = evict only when the "
+                            "prompt ends (default 64).")
     group.add_argument("--kv-recent-window", dest="kv_recent_window", type=str, default=None, metavar="W",
                        help="Most recent prompt tokens every head keeps (default 32).")
     group.add_argument("--kv-sink-tokens", dest="kv_sink_tokens", type=str, default=None, metavar="S",
@@ -127,9 +139,41 @@ def prepare_engine_args(engine_args) -> EvictionConfig:
                         DEFAULT_EVICTION_BLOCK_SIZE)
         if engine_args.speculative_config:
             raise EvictionConfigError("--speculative-config cannot be combined with --kv-eviction-policy yet")
+        if engine_args.scheduler_cls not in (None, SCHEDULER_CLS):
+            raise EvictionConfigError(
+                f"--scheduler-cls {engine_args.scheduler_cls!r} cannot be combined with --kv-eviction-policy: "
+                f"eviction needs its own scheduler class ({SCHEDULER_CLS}); drop --scheduler-cls")
+        engine_args.scheduler_cls = SCHEDULER_CLS
         logger.info("kv_eviction: %s", cfg.to_dict())
     ACTIVE_CONFIG = cfg
     return cfg
+
+
+def cache_shape_of(vllm_config):
+    """Per-rank KV cache shape from vLLM's config (what the workers' caches will be)."""
+    import torch
+
+    from vllm_contour.budget import CacheShape
+
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    dtype = mc.dtype if cc.cache_dtype in (None, "auto") else None
+    if dtype is None:
+        raise EvictionConfigError(f"--kv-cache-dtype {cc.cache_dtype} cannot be combined with "
+                                  "--kv-eviction-policy yet (use auto)")
+    return CacheShape(block_size=cc.block_size, num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
+                      head_dim=mc.get_head_size(), elem_size=torch.empty((), dtype=dtype).element_size())
+
+
+def check_against_cache(cfg: EvictionConfig, vllm_config) -> None:
+    """At start-up: the server's budget and decode interval must fit the model's cache (floor, block
+    size); remembered so that per-request values are checked the same way (HTTP 400)."""
+    global ACTIVE_SHAPE
+    from vllm_contour.budget import request_budget
+    from vllm_contour.config import resolve_request
+
+    shape = cache_shape_of(vllm_config)
+    request_budget(resolve_request(cfg, None), shape, per_request=False)
+    ACTIVE_SHAPE = shape
 
 
 def patch_engine_args() -> None:
@@ -151,8 +195,11 @@ def patch_engine_args() -> None:
         return engine_args
 
     def create_engine_config(self, *a, **kw):
-        prepare_engine_args(self)
-        return orig_create(self, *a, **kw)
+        cfg = prepare_engine_args(self)
+        vllm_config = orig_create(self, *a, **kw)
+        if cfg.enabled:
+            check_against_cache(cfg, vllm_config)
+        return vllm_config
 
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
     EngineArgs.from_cli_args = classmethod(from_cli_args)

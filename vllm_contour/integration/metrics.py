@@ -1,6 +1,12 @@
-"""Eviction telemetry through vLLM's KV-connector stats channel: worker timers and scheduler counters
-are aggregated by vLLM, logged with its "KV Transfer metrics" line and exported on ``/metrics`` as
-``vllm:contour_*`` counters."""
+"""Eviction telemetry through vLLM's KV-connector stats channel. One set of counters: each event is
+counted once, where it happens (rounds and their cost on the worker, blocks freed and failures on the
+scheduler), sent as per-step deltas, aggregated by vLLM across ranks and steps, logged with its "KV
+Transfer metrics" line and exported on ``/metrics`` as ``vllm:contour_*``.
+
+``ContourStats.data`` keys carry their kind: ``c:`` counters (added), ``h:`` histogram observations (lists,
+concatenated), ``g:`` gauges (the largest of the ranks / the interval), ``i:`` info (a dict, e.g. which
+implementation each op uses). A counter with a label is ``c:name|label``.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +15,32 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-FIELDS = {
-    # name: (help, source)
-    "evicted_requests": "Requests whose prompt KV was compacted",
+COUNTERS = {
+    "evicted_requests": "Requests compacted for the first time (prompt end or first decode round)",
+    "rounds": "Eviction rounds run (prompt end and decode time)",
     "freed_blocks": "KV blocks returned to vLLM's pool by eviction",
     "stale_reports": "Eviction reports ignored (request finished or preempted meanwhile)",
-    "policy_seconds": "Worker time spent scoring and allocating",
-    "compact_seconds": "Worker time spent moving kept tokens",
-    "prefill_tokens_evicted_from": "Prompt tokens of the compacted requests",
+    "policy_seconds": "Worker time spent planning rounds (scoring, allocation, layout)",
+    "compact_seconds": "Worker time spent moving kept tokens and storing moments",
+    "tokens_evicted": "Tokens evicted (summed over layers and KV heads, divided by layers x heads)",
+}
+LABELLED = {
+    # name: (help, label name)
+    "eviction_failures": ("Requests whose eviction failed and that were served without it (or recomputed, "
+                          "or failed alone), by where it failed", "reason"),
+}
+HISTOGRAMS = {
+    # name: (help, buckets)
+    "request_mean_kv_tokens": ("Mean KV tokens per KV head a request held in vLLM's pool over its life "
+                               "(blocks held x block size, sampled every step it ran)",
+                               [32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192]),
+    "request_peak_kv_tokens": ("Peak KV tokens per KV head a request held in vLLM's pool",
+                               [32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192]),
+    "round_seconds": ("Latency of one eviction round of one request on a worker (plan + apply)",
+                      [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]),
+}
+GAUGES = {
+    "query_buffer_bytes": "Bytes of captured window queries held by the worker (outside vLLM's pool)",
 }
 
 
@@ -27,20 +51,51 @@ class ContourStats(KVConnectorStats):
     def reset(self):
         self.data = {}
 
-    def add(self, key: str, value: float) -> None:
-        self.data[key] = self.data.get(key, 0) + value
+    def add(self, key: str, value: float, label: str | None = None) -> None:
+        k = f"c:{key}" if label is None else f"c:{key}|{label}"
+        self.data[k] = self.data.get(k, 0) + value
+
+    def observe(self, key: str, value: float) -> None:
+        self.data.setdefault(f"h:{key}", []).append(float(value))
+
+    def gauge(self, key: str, value: float) -> None:
+        self.data[f"g:{key}"] = max(value, self.data.get(f"g:{key}", value))
+
+    def info(self, key: str, value: dict) -> None:
+        self.data[f"i:{key}"] = dict(value)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        out = ContourStats(dict(self.data))
+        out = ContourStats({k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
+                            for k, v in self.data.items()})
         for k, v in other.data.items():
-            out.add(k, v)
+            if k.startswith("h:"):
+                out.data.setdefault(k, []).extend(v)
+            elif k.startswith("g:"):
+                out.data[k] = max(v, out.data.get(k, v))
+            elif k.startswith("i:"):
+                out.data[k] = dict(v)
+            else:
+                out.data[k] = out.data.get(k, 0) + v
         return out
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.data.items()}
+        out: dict[str, int | float] = {}
+        for k, v in self.data.items():
+            name = k.split(":", 1)[1]
+            if k.startswith("h:"):
+                if v:
+                    out[f"{name}_mean"] = round(sum(v) / len(v), 4)
+            elif k.startswith("i:"):
+                continue
+            else:
+                out[name] = round(v, 4) if isinstance(v, float) else v
+        return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not any(v for v in self.data.values())
+
+    def counter(self, key: str, label: str | None = None) -> float:
+        return self.data.get(f"c:{key}" if label is None else f"c:{key}|{label}", 0)
 
 
 class ContourPromMetrics(KVConnectorPromMetrics):
@@ -48,13 +103,46 @@ class ContourPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         from vllm.v1.metrics.utils import create_metric_per_engine
 
+        self._per_engine = per_engine_labelvalues
         self.counters = {}
-        for name, help_text in FIELDS.items():
+        for name, help_text in COUNTERS.items():
             counter = self._counter_cls(name=f"vllm:contour_{name}", documentation=help_text,
                                         labelnames=labelnames)
             self.counters[name] = create_metric_per_engine(counter, per_engine_labelvalues)
+        self.labelled = {}
+        for name, (help_text, label) in LABELLED.items():
+            self.labelled[name] = self._counter_cls(name=f"vllm:contour_{name}", documentation=help_text,
+                                                    labelnames=list(labelnames) + [label])
+        self.histograms = {}
+        for name, (help_text, buckets) in HISTOGRAMS.items():
+            hist = self._histogram_cls(name=f"vllm:contour_{name}", documentation=help_text,
+                                       labelnames=labelnames, buckets=buckets)
+            self.histograms[name] = create_metric_per_engine(hist, per_engine_labelvalues)
+        self.gauges = {}
+        for name, help_text in GAUGES.items():
+            gauge = self._gauge_cls(name=f"vllm:contour_{name}", documentation=help_text,
+                                    labelnames=labelnames, multiprocess_mode="mostrecent")
+            self.gauges[name] = create_metric_per_engine(gauge, per_engine_labelvalues)
+        self.ops_info = self._gauge_cls(name="vllm:contour_ops_info",
+                                        documentation="1 for the implementation each eviction op uses",
+                                        labelnames=list(labelnames) + ["op", "impl"],
+                                        multiprocess_mode="mostrecent")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        engine_labels = list(self._per_engine[engine_idx])
         for k, v in transfer_stats_data.items():
-            if k in self.counters and v:
-                self.counters[k][engine_idx].inc(v)
+            kind, _, name = k.partition(":")
+            if kind == "c":
+                base, _, label = name.partition("|")
+                if label and base in self.labelled and v:
+                    self.labelled[base].labels(*engine_labels, label).inc(v)
+                elif base in self.counters and v:
+                    self.counters[base][engine_idx].inc(v)
+            elif kind == "h" and name in self.histograms:
+                for x in v:
+                    self.histograms[name][engine_idx].observe(x)
+            elif kind == "g" and name in self.gauges:
+                self.gauges[name][engine_idx].set(v)
+            elif kind == "i" and name == "ops":
+                for op, impl in v.items():
+                    self.ops_info.labels(*engine_labels, op, impl).set(1)

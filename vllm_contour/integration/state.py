@@ -1,18 +1,19 @@
-"""Worker-process state shared by the KV connector (worker role) and the attention backend.
+"""Worker-process state shared by the worker side of the connector and the attention backend.
 
-One ``WorkerState`` per worker process (module global). The connector fills it (evict-now list at the
-start of a step, compacted layouts after ``wait_for_save``); the metadata builder reads it to route
-compacted decode rows to the ragged op; the attention impl reads it to capture window queries.
+One ``WorkerState`` per worker process (module global). The worker side fills it (the step's round and
+capture items at the start of a step, the requests' layouts after a round); the metadata builder reads it
+to route compacted decode rows to the ragged op and to find the rows whose queries must be captured; the
+attention impl stages those queries during the forward.
 
 Rows are matched to requests by the physical id of the request's first block (``block_table[row, 0]``).
-With prefix caching off (the plugin turns it off when eviction is on) every block belongs to one
-request, and block 0 of a compacted request is never freed while it runs; finished and preempted
-requests are dropped at the start of the next step, before any metadata is built.
+With prefix caching off (the plugin turns it off when eviction is on) every block belongs to one request;
+a round packs the kept pages into the lowest logical blocks first, so block 0 of a request is never freed
+while it runs; finished and preempted requests are dropped at the start of the next step, before any
+metadata is built.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -22,46 +23,70 @@ from vllm_contour.layout import RequestLayout
 
 
 @dataclass
-class EvictItem:
-    """Scheduler -> worker: evict this request after the current step's forward."""
+class RoundItem:
+    """Scheduler -> worker: run an eviction round for this request after the current step's forward."""
 
     req_id: str
-    block_ids: list[int]  # all blocks of the request, logical order
+    block_ids: list[int]  # all blocks of the request, logical order (freed ones are vLLM's null block)
     num_tokens: int  # tokens with KV after this step
     params: RequestEviction
+    seq: int  # round number of the request (reports carry it back; stale ones are ignored)
 
 
 @dataclass
 class CaptureItem:
-    """Scheduler -> worker: this step's chunk of the request covers part of its observation window
-    ``[start, end)`` (absolute positions); copy those queries in every layer."""
+    """Scheduler -> worker: this step's tokens of the request cover part of the observation window
+    ``[start, end)`` (absolute positions) of its next round; copy those queries in every layer."""
 
     req_id: str
     key_block: int
     start: int
     end: int
+    window: int  # queries the request's ring keeps
+
+
+class QueryRing:
+    """The last ``window`` captured queries of one request, every layer: ``[L, Hq, W, D]`` plus their
+    positions (``-1`` = empty). Bounded: a request never holds more than ``window`` queries per layer."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.queries: torch.Tensor | None = None
+        self.positions = torch.full((window,), -1, dtype=torch.int64)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.queries is None else self.queries.numel() * self.queries.element_size()
+
+    def write(self, positions: torch.Tensor, q: torch.Tensor) -> None:
+        """``positions [n]``, ``q [L, n, Hq, D]``."""
+        if positions.numel() == 0:
+            return
+        if positions.numel() > self.window:
+            positions, q = positions[-self.window:], q[:, -self.window:]
+        if self.queries is None:
+            num_layers, _, hq, d = q.shape
+            self.queries = torch.zeros((num_layers, hq, self.window, d), dtype=q.dtype)
+        slots = positions % self.window
+        self.queries[:, :, slots] = q.permute(0, 2, 1, 3)
+        self.positions[slots] = positions
+
+    def layer_queries(self) -> tuple[dict[int, torch.Tensor], torch.Tensor] | tuple[None, None]:
+        """``({layer: [Hq, w, D]}, positions [w])`` in position order, or ``(None, None)`` when empty."""
+        have = (self.positions >= 0).nonzero().squeeze(1)
+        if self.queries is None or have.numel() == 0:
+            return None, None
+        order = have[torch.argsort(self.positions[have])]
+        q = self.queries[:, :, order]
+        return {layer: q[layer] for layer in range(q.shape[0])}, self.positions[order].clone()
 
 
 @dataclass
-class Capture:
-    """Window queries of one request, accumulated over prefill chunks: layer -> list of [Hq, w, D]."""
-
-    queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    positions: list[torch.Tensor] = field(default_factory=list)
-
-    def layer_queries(self) -> dict[int, torch.Tensor]:
-        return {layer: torch.cat(qs, dim=1) for layer, qs in self.queries.items()}
-
-    def all_positions(self) -> torch.Tensor | None:
-        return torch.cat(self.positions) if self.positions else None
-
-
-@dataclass
-class Compacted:
+class RequestState:
     req_id: str
     key_block: int
-    layout: RequestLayout
-    region_blocks: int  # E
+    layout: RequestLayout | None = None
+    ring: QueryRing | None = None
 
 
 @dataclass
@@ -70,6 +95,7 @@ class DecodeRows:
 
     rows: torch.Tensor  # [R] batch row indices
     token_idx: torch.Tensor  # [R] query token index of each row
+    req_ids: list[str]
     page_table: torch.Tensor  # [L, R, H, P] int32 head-page ids
     seq_lens: torch.Tensor  # [L, R, H] int32
     moment_pages: torch.Tensor | None = None  # [L, R, M] int32 (rows without moments: any valid page)
@@ -78,49 +104,49 @@ class DecodeRows:
 
 @dataclass
 class CaptureRows:
-    """Per step: token ranges of evict-now rows whose window queries the impl copies."""
+    """Per step: the query tokens the impl stages (one index tensor for the whole batch) and whose they are."""
 
-    entries: list[tuple[str, int, int, int]]  # (req_id, first token idx, n tokens, first position)
+    token_idx: torch.Tensor  # [n] query token indices in the batch
+    owners: list[tuple[str, int, int, int]]  # (req_id, offset into token_idx, n tokens, first position)
 
 
 class WorkerState:
     def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.evict_now: dict[str, EvictItem] = {}
-        self.key_to_capture: dict[int, CaptureItem] = {}
-        self.captures: dict[str, Capture] = {}
-        self.compacted: dict[str, Compacted] = {}
-        self.key_to_req: dict[int, str] = {}
+        self.requests: dict[str, RequestState] = {}
+        self.key_to_req: dict[int, str] = {}  # first block -> request with a layout
+        self.rounds_now: dict[str, RoundItem] = {}
+        self.capture_keys: dict[int, CaptureItem] = {}
         self.layer_index: dict[str, int] = {}
-        self.window: int = 32
+        # queries staged by the impl during this step's forward: layer -> [n, Hq, D]
+        self.staged: dict[int, torch.Tensor] = {}
+        self.staged_rows: CaptureRows | None = None
+        # requests whose output of this step is wrong (a decode op failed for their row)
+        self.forward_errors: dict[str, str] = {}
 
     def drop(self, req_id: str) -> None:
-        c = self.compacted.pop(req_id, None)
-        if c is not None and self.key_to_req.get(c.key_block) == req_id:
-            del self.key_to_req[c.key_block]
-        self.captures.pop(req_id, None)
-        self.evict_now.pop(req_id, None)
+        rs = self.requests.pop(req_id, None)
+        if rs is not None and self.key_to_req.get(rs.key_block) == req_id:
+            del self.key_to_req[rs.key_block]
+        self.rounds_now.pop(req_id, None)
 
-    def begin_step(self, items: list[EvictItem], captures: list[CaptureItem], dropped: set[str]) -> None:
-        for req_id in dropped:
-            self.drop(req_id)
-        self.evict_now = {it.req_id: it for it in items}
-        self.key_to_capture = {c.key_block: c for c in captures}
-        for c in captures:
-            if c.req_id not in self.captures:
-                self.captures[c.req_id] = Capture()
-        for it in items:
-            # A request re-evicted after preemption starts from scratch.
-            old = self.compacted.pop(it.req_id, None)
-            if old is not None:
-                self.key_to_req.pop(old.key_block, None)
+    def state_for(self, req_id: str, key_block: int) -> RequestState:
+        rs = self.requests.get(req_id)
+        if rs is None or rs.key_block != key_block:
+            if rs is not None:
+                self.drop(req_id)
+            rs = self.requests[req_id] = RequestState(req_id, key_block)
+        return rs
 
-    def add_compacted(self, c: Compacted) -> None:
-        self.compacted[c.req_id] = c
-        self.key_to_req[c.key_block] = c.req_id
+    def set_layout(self, rs: RequestState, layout: RequestLayout | None) -> None:
+        rs.layout = layout
+        if layout is None:
+            if self.key_to_req.get(rs.key_block) == rs.req_id:
+                del self.key_to_req[rs.key_block]
+        else:
+            self.key_to_req[rs.key_block] = rs.req_id
 
-    def reset(self) -> None:
-        self.__init__()
+    def query_buffer_bytes(self) -> int:
+        return sum(rs.ring.nbytes for rs in self.requests.values() if rs.ring is not None)
 
 
 _STATE = WorkerState()

@@ -8,6 +8,10 @@
   decode without moments or lse only,
 * ``torch`` — the reference (always).
 
+Moment storage (``store_moments`` / ``load_moments``: MomentKV statistics kept in the request's own
+head-pages, so they are bytes of vLLM's pool) goes through the same dispatch; it is written through the
+logical key/value views, so it works on every layout the views express.
+
 Choose explicitly with ``impl=...`` or, for debugging, ``VLLM_CONTOUR_OPS_IMPL=torch``.
 """
 
@@ -16,14 +20,16 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from .reference import (accumulate_moments_ref, compact_ref, dense_attention_ref,
-                        ragged_decode_attention_ref)
+from .reference import (accumulate_moments_ref, compact_ref, dense_attention_ref, load_moments_ref,
+                        ragged_decode_attention_ref, store_moments_ref)
 
 # op -> list of (name, fn, supports(device_type, **kw) -> bool), in priority order (best first)
 _IMPLS: dict[str, list[tuple[str, Callable, Callable[..., bool]]]] = {
     "compact": [],
     "accumulate_moments": [],
     "ragged_decode_attention": [],
+    "store_moments": [],
+    "load_moments": [],
 }
 
 
@@ -41,6 +47,8 @@ def register_impl(op: str, name: str, fn: Callable, supports: Callable[..., bool
 register_impl("compact", "torch", compact_ref, lambda dev, **kw: True)
 register_impl("accumulate_moments", "torch", accumulate_moments_ref, lambda dev, **kw: True)
 register_impl("ragged_decode_attention", "torch", ragged_decode_attention_ref, lambda dev, **kw: True)
+register_impl("store_moments", "torch", store_moments_ref, lambda dev, **kw: True)
+register_impl("load_moments", "torch", load_moments_ref, lambda dev, **kw: True)
 
 _TRITON_TRIED = False
 
@@ -96,6 +104,28 @@ def accumulate_moments(key_cache, value_cache, page_ids, offsets, head_of_token,
     return moments
 
 
+def store_moments(key_cache, value_cache, page_ids, packed, impl: str | None = None) -> None:
+    """Write one layer's packed fp32 moments (``vllm_contour.moments.pack``) into head-pages ``page_ids``."""
+    fn = _pick("store_moments", impl, key_cache.device.type, key_cache=key_cache)
+    fn(key_cache, value_cache, page_ids, packed)
+
+
+def load_moments(key_cache, value_cache, page_ids, num_heads: int, head_dim: int, impl: str | None = None):
+    """Read moments written by ``store_moments``: ``page_ids [..., M]`` -> dict with leading dims ``[..., H]``."""
+    fn = _pick("load_moments", impl, key_cache.device.type, key_cache=key_cache)
+    return fn(key_cache, value_cache, page_ids, num_heads, head_dim)
+
+
+def implementations(device_type: str = "cpu") -> dict[str, str]:
+    """The implementation each op would use now (what the engine logs and exports at start-up)."""
+    out = {}
+    forced = os.environ.get("VLLM_CONTOUR_OPS_IMPL") or None
+    for op, lst in _IMPLS.items():
+        names = [n for n, _, ok in lst if ok(device_type)]
+        out[op] = forced if forced in names else (names[0] if names else "none")
+    return out
+
+
 def ragged_decode_attention(query, key_cache, value_cache, page_table, seq_lens, scale, moments=None,
                             impl: str | None = None, need_lse: bool = False, **extra):
     """Returns ``(out, lse)``; implementations without a log-sum-exp return ``lse=None`` and are only
@@ -122,5 +152,6 @@ from . import cpu_ext as _cpu_ext  # noqa: E402,F401  (registers "cpp" when vllm
 # pseudo-request per head) 1.32-2.21x (benchmarks.ops, 2026-11-30); and vLLM's per-layer cache views in
 # the engine do not meet "vllm_cpu"'s stride condition. VLLM_CONTOUR_OPS_IMPL forces one implementation.
 
-__all__ = ["compact", "accumulate_moments", "ragged_decode_attention", "register_impl", "available",
+__all__ = ["compact", "accumulate_moments", "ragged_decode_attention", "store_moments", "load_moments",
+           "implementations", "register_impl", "available",
            "compact_ref", "accumulate_moments_ref", "ragged_decode_attention_ref", "dense_attention_ref"]

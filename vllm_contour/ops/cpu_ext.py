@@ -19,6 +19,8 @@ from . import register_impl
 _REPO = Path(__file__).resolve().parents[2]
 SOURCES = [_REPO / "csrc" / "contour_ops.cpp"]
 _mod = None
+# Why the compiled kernels are not loaded (None when they are): logged by the engine at start-up.
+LOAD_ERROR: str | None = None
 
 
 def _cflags() -> list[str]:
@@ -52,17 +54,18 @@ def _have_ops() -> bool:
 def load(jit: bool | None = None):
     """``torch.ops.vllm_contour`` once the compiled kernels are loaded (registering them in the dispatch),
     else None. ``jit=None`` reads ``VLLM_CONTOUR_JIT_EXT``."""
-    global _mod
+    global _mod, LOAD_ERROR
     if _mod is not None:
         return _mod
     try:
         from vllm_contour import _C  # noqa: F401  (registers torch.ops.vllm_contour.*)
-    except ImportError:
-        pass
+    except ImportError as e:
+        LOAD_ERROR = f"vllm_contour._C does not import: {e}"
     if not _have_ops() and (jit if jit is not None else os.environ.get("VLLM_CONTOUR_JIT_EXT") == "1"):
         jit_build()
     if _have_ops():
         _register(torch.ops.vllm_contour)
+        LOAD_ERROR = None
     return _mod
 
 
@@ -102,7 +105,8 @@ def _register(mod) -> None:
 
 try:
     load()
-except Exception:  # a broken build must not break the package: fall back to the other implementations
+except Exception as _e:  # a broken build must not break the package: fall back to the other implementations
     _mod = None
+    LOAD_ERROR = f"{type(_e).__name__}: {_e}"
 
 __all__ = ["load", "jit_build", "SOURCES"]

@@ -61,7 +61,9 @@ def detect_key_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: i
         if torch.equal(k[1, 0], key[:, 0]):
             return layout
     raise RuntimeError(f"kv_eviction: unknown key layout of vLLM's CPU cache for isa={isa} dtype={dtype} "
-                       f"block_size={block_size} head_dim={head_dim}; eviction cannot run on it")
+                       f"block_size={block_size} head_dim={head_dim}; eviction cannot run on it. Start the "
+                       f"server with --dtype float32 (vLLM's 'vec' layout, supported), or without "
+                       f"--kv-eviction-policy")
 
 
 def raw_pages(key_cache: torch.Tensor) -> torch.Tensor:

@@ -105,3 +105,52 @@ def dense_attention_ref(query: torch.Tensor, keys: torch.Tensor, values: torch.T
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+_INT_OF = {4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def _page_elems(key_cache: torch.Tensor, value_cache: torch.Tensor, page_ids: torch.Tensor):
+    """Integer views of the key and value elements of head-pages ``page_ids [..., M]`` -> ``[..., M, 2*bs*D]``
+    (keys of a page in its logical ``[bs, D]`` order, then its values). Any layout the logical views
+    express (token-major, transposed, strided) gives the same element order, so what ``store_moments``
+    writes ``load_moments`` reads back bit for bit."""
+    h = key_cache.shape[1]
+    it = _INT_OF[key_cache.element_size()]
+    blk, lane = _split(page_ids, h)
+    k = key_cache.view(it)[blk, lane]  # [..., M, bs, D]
+    v = value_cache.view(it)[blk, lane]
+    return torch.cat([k.flatten(-2), v.flatten(-2)], dim=-1)
+
+
+def store_moments_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, page_ids: torch.Tensor,
+                      packed: torch.Tensor) -> None:
+    """Write one layer's packed fp32 moments (``moments.pack``) into head-pages ``page_ids [M]``, as raw
+    bits through the logical key/value views (layout-independent)."""
+    h, bs, d = key_cache.shape[1:]
+    it = _INT_OF[key_cache.element_size()]
+    per_page = 2 * bs * d
+    m = page_ids.numel()
+    raw = packed.to(torch.float32).contiguous().view(torch.int32).view(it).reshape(-1)
+    if raw.numel() > m * per_page:
+        raise ValueError(f"moments need {raw.numel()} elements, {m} pages hold {m * per_page}")
+    buf = torch.zeros(m * per_page, dtype=it)
+    buf[: raw.numel()] = raw
+    buf = buf.view(m, 2, bs, d)
+    blk, lane = _split(page_ids.reshape(-1), h)
+    key_cache.view(it)[blk, lane] = buf[:, 0]
+    value_cache.view(it)[blk, lane] = buf[:, 1]
+
+
+def load_moments_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, page_ids: torch.Tensor,
+                     num_heads: int, head_dim: int) -> dict:
+    """Read what ``store_moments`` wrote: ``page_ids [..., M]`` -> dict of fp32 moments with leading dims
+    ``[..., H]`` (``moments.unpack``)."""
+    from vllm_contour.moments import packed_len, unpack
+
+    raw = _page_elems(key_cache, value_cache, page_ids.to(torch.int64))  # [..., M, E]
+    lead = page_ids.shape[:-1]
+    flat = raw.reshape(*lead, -1).contiguous()
+    n_el = packed_len(num_heads, head_dim) * 4 // key_cache.element_size()
+    vals = flat[..., :n_el].contiguous().view(torch.int32)
+    return unpack(vals.view(torch.float32), num_heads, head_dim)

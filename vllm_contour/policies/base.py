@@ -12,7 +12,7 @@ selector picks the tokens. Nothing here imports vLLM.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -45,6 +45,16 @@ class LayerInputs:
     # The layer's total head-pages (after any layer schedule), filled in by ``Policy.plan_layer`` for
     # scorers that want to know roughly how much will be evicted (MomentKV's second pass). Optional.
     budget_pages: int | None = None
+    # ``[T]`` absolute positions of the keys (sorted). None: the keys are tokens ``0..T-1`` (a prompt).
+    # Decode-time rounds hand each head its kept tokens (original positions) followed by the new tail.
+    positions: torch.Tensor | None = None
+    # ``[H, region_len]`` scores carried from earlier rounds for each candidate (0 for tokens that are
+    # new this round), for scorers that accumulate across rounds (H2O). None: first round.
+    prior: torch.Tensor | None = None
+    # ``[H]`` candidate pages of each head when heads have different candidates (a decode-time round:
+    # head h's candidates are ``[0, head_pages[h] * page_size)``; the rest of the row is padding).
+    # None: every head has the whole region.
+    head_pages: torch.Tensor | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -63,22 +73,51 @@ class LayerInputs:
         return self.region_len // self.page_size
 
     @property
+    def token_positions(self) -> torch.Tensor:
+        """``[T]`` int64 absolute position of every key."""
+        if self.positions is None:
+            return torch.arange(self.num_tokens, dtype=torch.int64)
+        return self.positions.to(torch.int64).reshape(-1)
+
+    @property
     def context_end(self) -> int:
-        return self.num_tokens if self.window_end is None else self.window_end
+        """Absolute position where the scoring context ends (exclusive)."""
+        if self.window_end is not None:
+            return self.window_end
+        if self.positions is None or self.positions.numel() == 0:
+            return self.num_tokens
+        return int(self.positions.reshape(-1)[-1]) + 1
 
     @property
     def context_len(self) -> int:
-        """Tokens of the scoring context that have KV: ``min(context_end, num_tokens)``."""
-        return max(0, min(self.context_end, self.num_tokens))
+        """Keys inside the scoring context (those before ``context_end``; keys are position-sorted)."""
+        if self.positions is None:
+            return max(0, min(self.context_end, self.num_tokens))
+        return int((self.token_positions < self.context_end).sum())
+
+    @property
+    def is_ragged(self) -> bool:
+        return self.head_pages is not None
+
+    def head_caps(self) -> torch.Tensor:
+        """``[H]`` int64 candidate pages of each head."""
+        if self.head_pages is None:
+            return torch.full((self.num_kv_heads,), self.num_region_pages, dtype=torch.int64)
+        return self.head_pages.to(torch.int64).cpu()
+
+    def candidate_mask(self) -> torch.Tensor:
+        """``[H, region_len]`` bool: True where a head has a candidate (False = padding)."""
+        j = torch.arange(self.region_len).view(1, -1)
+        return j < (self.head_caps() * self.page_size).view(-1, 1)
 
 
 @dataclass
 class LayerBudget:
     """Total head-pages the layer may keep, and the per-head minimum (recency floor + sinks).
 
-    ``forced`` (optional, ``[region_len]`` bool) marks the tokens every head keeps anyway (sinks and
-    recent window); mass-aware allocators (ContourKV) use it so that they do not pay twice for mass that
-    the floor already holds."""
+    ``forced`` (optional, ``[region_len]`` or per head ``[H, region_len]`` bool) marks the tokens every head
+    keeps anyway (sinks and recent window); mass-aware allocators (ContourKV) use it so that they do not
+    pay twice for mass that the floor already holds."""
 
     total_pages: int
     floor_pages: int = 1
@@ -90,11 +129,12 @@ class Selection:
     """Result for one layer: ``kept[h]`` is a sorted int64 tensor of token indices in [0, region_len),
     its length a multiple of page_size (a head may keep the whole region).
 
-    ``aux`` carries optional per-layer extras for the engine (e.g. moment statistics of the evicted set).
+    ``scores`` (optional) are the kept tokens' scores per head, in ``kept`` order: what an accumulating
+    scorer (H2O) carries into the next round.
     """
 
     kept: list[torch.Tensor]
-    aux: dict = field(default_factory=dict)
+    scores: list[torch.Tensor] | None = None
 
     def counts(self) -> list[int]:
         return [int(k.numel()) for k in self.kept]

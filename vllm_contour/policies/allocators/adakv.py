@@ -22,16 +22,19 @@ class AdaKVAllocator:
     """
 
     def allocate(self, scores: torch.Tensor, inp: LayerInputs, budget: LayerBudget) -> torch.Tensor:
-        h, rp, bs = inp.num_kv_heads, inp.num_region_pages, inp.page_size
-        total, floor = clamp_total(budget, h, rp)
+        h, bs = inp.num_kv_heads, inp.page_size
+        caps = inp.head_caps()
+        total, floor = clamp_total(budget, caps)
         s = scores.to(torch.float32)
         s = torch.nan_to_num(s, nan=0.0, posinf=0.0, neginf=0.0).clamp_min(0)
+        if inp.is_ragged:  # padding past a head's candidates carries no mass
+            s = torch.where(inp.candidate_mask(), s, torch.zeros_like(s))
         norm = s / s.sum(dim=1, keepdim=True).clamp_min(1e-30)
         extra_tokens = (total - floor * h) * bs
         if extra_tokens <= 0:
-            return distribute_pages(torch.ones(h), total, floor, rp)
+            return distribute_pages(torch.ones(h), total, floor, caps)
         flat = norm.flatten()
         k = min(extra_tokens, flat.numel())
         top = torch.topk(flat, k, sorted=False).indices
         per_head = torch.bincount(top // norm.shape[1], minlength=h).to(torch.float64)
-        return distribute_pages(per_head, total, floor, rp)
+        return distribute_pages(per_head, total, floor, caps)

@@ -10,15 +10,17 @@ from ..base import LayerBudget, LayerInputs
 from .common import clamp_total, distribute_pages
 
 
-def score_mass(scores: torch.Tensor, power: float = 1.0) -> torch.Tensor:
+def score_mass(scores: torch.Tensor, power: float = 1.0, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Turn any ``[H, N]`` scores into a per-head mass distribution (fp64, rows sum to 1).
 
     Non-finite entries count as the row's smallest finite score. A row with a negative entry (e.g.
     key-norm scores ``-||k||``) is shifted by its minimum, so that the worst token has mass 0 and the
     order is kept; attention-like (non-negative) rows are used as they are. ``power`` tempers the
-    distribution (< 1 flattens, > 1 sharpens) before normalisation. An all-zero row becomes uniform."""
+    distribution (< 1 flattens, > 1 sharpens) before normalisation. An all-zero row becomes uniform.
+    ``valid`` (``[H, N]`` bool) marks the candidates; the rest (padding) gets mass 0."""
     s = scores.detach().to(torch.float64).cpu()
-    finite = torch.isfinite(s)
+    ok = torch.ones_like(s, dtype=torch.bool) if valid is None else valid.to(torch.bool).cpu()
+    finite = torch.isfinite(s) & ok
     big = torch.finfo(torch.float64).max
     row_min = torch.where(finite, s, torch.full_like(s, big)).min(dim=1, keepdim=True).values
     row_min = torch.where(row_min == big, torch.zeros_like(row_min), row_min)
@@ -26,31 +28,40 @@ def score_mass(scores: torch.Tensor, power: float = 1.0) -> torch.Tensor:
     s = torch.where(row_min < 0, s - row_min, s)
     if power != 1.0:
         s = s.pow(power)
+    s = torch.where(ok, s, torch.zeros_like(s))
     tot = s.sum(dim=1, keepdim=True)
-    uniform = torch.full_like(s, 1.0 / max(1, s.shape[1]))
+    n_ok = ok.sum(dim=1, keepdim=True).clamp_min(1).to(s.dtype)
+    uniform = torch.where(ok, 1.0 / n_ok, torch.zeros_like(s))
     return torch.where(tot > 0, s / tot.clamp_min(1e-300), uniform)
 
 
-def mass_curve(mass: torch.Tensor, forced: torch.Tensor | None, page_size: int) -> torch.Tensor:
-    """``[H, region_pages + 1]``: kept mass of each head with ``c`` pages (c = 0..region_pages) when the
-    head keeps its forced tokens first and then its highest-mass tokens (what a top-k selector does).
-    Entry ``c`` is only meaningful once ``c * page_size`` covers the forced tokens."""
+def mass_curve(mass: torch.Tensor, forced: torch.Tensor | None, page_size: int,
+               caps: torch.Tensor | None = None) -> torch.Tensor:
+    """``[H, max_pages + 1]``: kept mass of each head with ``c`` pages (c = 0..) when the head keeps its
+    forced tokens first and then its highest-mass tokens (what a top-k selector does). ``forced`` is
+    ``[N]`` or ``[H, N]``; ``caps`` (``[H]``) the heads' candidate pages (default: all ``N``). Entry ``c``
+    is only meaningful once ``c * page_size`` covers the forced tokens and ``c <= caps[h]``."""
     h, n = mass.shape
     f = torch.zeros(n, dtype=torch.bool) if forced is None else forced.to(torch.bool).cpu()
-    nf = int(f.sum())
-    m_forced = mass[:, f].sum(dim=1, keepdim=True)  # [H, 1]
-    rest = torch.sort(mass[:, ~f], dim=1, descending=True).values
+    f = f.expand(h, n) if f.dim() == 1 else f
+    n_valid = (torch.full((h,), n, dtype=torch.int64) if caps is None
+               else (caps.to(torch.int64) * page_size).clamp_max(n))
+    nf = f.sum(dim=1)  # [H]
+    m_forced = (mass * f).sum(dim=1, keepdim=True)  # [H, 1]
+    rest = torch.sort(torch.where(f, torch.zeros_like(mass), mass), dim=1, descending=True).values
     cum = torch.cat([torch.zeros(h, 1, dtype=mass.dtype), rest.cumsum(dim=1)], dim=1)
-    pages = torch.arange(n // page_size + 1)
-    idx = (pages * page_size - nf).clamp(0, n - nf)
-    return m_forced + cum[:, idx]
+    pages = torch.arange(n // page_size + 1).view(1, -1)
+    idx = (pages * page_size - nf.view(-1, 1)).clamp_min(0)
+    idx = torch.minimum(idx, (n_valid - nf).clamp_min(0).view(-1, 1))
+    return m_forced + torch.gather(cum, 1, idx)
 
 
 def dropped_mass(scores: torch.Tensor, pages: torch.Tensor, inp: LayerInputs,
                  forced: torch.Tensor | None = None, power: float = 1.0) -> torch.Tensor:
     """``[H]`` fraction of each head's (normalised) score mass that top-k selection with ``pages[h]``
     pages drops: ``1 - M_h(pages[h])``. At the uniform budget this is ContourKV's m̄_h."""
-    curve = mass_curve(score_mass(scores, power), forced, inp.page_size)
+    curve = mass_curve(score_mass(scores, power, inp.candidate_mask() if inp.is_ragged else None), forced,
+                       inp.page_size, inp.head_caps())
     p = pages.to(torch.int64).clamp(0, curve.shape[1] - 1).view(-1, 1)
     return 1.0 - curve.gather(1, p).squeeze(1)
 
@@ -93,27 +104,32 @@ class ContourAllocator:
             raise ValueError(f"contour power must be > 0, got {self.power}")
 
     def greedy(self, scores: torch.Tensor, inp: LayerInputs, budget: LayerBudget) -> torch.Tensor:
-        h, rp = inp.num_kv_heads, inp.num_region_pages
-        total, floor = clamp_total(budget, h, rp)
+        h = inp.num_kv_heads
+        caps = inp.head_caps()
+        total, floor = clamp_total(budget, caps)
         pages = torch.full((h,), floor, dtype=torch.int64)
         extra = total - floor * h
         if extra <= 0:
             return pages
-        curve = mass_curve(score_mass(scores, self.power), budget.forced, inp.page_size)  # [H, rp+1]
+        valid = inp.candidate_mask() if inp.is_ragged else None
+        curve = mass_curve(score_mass(scores, self.power, valid), budget.forced, inp.page_size, caps)
         gains = curve[:, floor + 1:] - curve[:, floor:-1]  # [H, rp - floor], non-increasing per row
+        c = torch.arange(floor + 1, curve.shape[1]).view(1, -1)
+        gains = gains.masked_fill(c > caps.view(-1, 1), -float("inf"))  # no page past a head's candidates
         flat = gains.t().reshape(-1)  # page-major: ties go round-robin over heads
         order = torch.sort(flat, descending=True, stable=True).indices[:extra]
         pages += torch.bincount(order % h, minlength=h)
         return pages
 
     def allocate(self, scores: torch.Tensor, inp: LayerInputs, budget: LayerBudget) -> torch.Tensor:
-        h, rp = inp.num_kv_heads, inp.num_region_pages
-        total, floor = clamp_total(budget, h, rp)
-        uniform = distribute_pages(torch.ones(h), total, floor, rp)
-        if self.mix <= 0.0 or total <= floor * h or total >= rp * h:
+        h = inp.num_kv_heads
+        caps = inp.head_caps()
+        total, floor = clamp_total(budget, caps)
+        uniform = distribute_pages(torch.ones(h), total, floor, caps)
+        if self.mix <= 0.0 or total <= floor * h or total >= int(caps.sum()):
             return uniform
         greedy = self.greedy(scores, inp, budget)
         if self.mix >= 1.0:
             return greedy
         w = self.mix * (greedy - floor).to(torch.float64) + (1 - self.mix) * (uniform - floor).to(torch.float64)
-        return distribute_pages(w, total, floor, rp)
+        return distribute_pages(w, total, floor, caps)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+
 import torch
 
 from ..base import Allocator, LayerBudget, LayerInputs
@@ -50,12 +52,16 @@ def pyramid_schedule(base_total: int, num_layers: int, beta: float, min_total: i
 class PyramidAllocator:
     """PyramidKV (Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information
     Funneling", 2024): lower layers attend broadly and get more cache, upper layers attend to few tokens
-    and get less. Layer l's page total follows ``pyramid_schedule`` (arithmetic, mean over layers = the
-    base budget; ``beta`` >= 1 sets the slope: top layer = base / beta, bottom = 2 base - base / beta;
-    beta = 1 is flat; PyramidKV's code uses 20). Implemented through ``layer_total_pages``, which
-    ``Policy.plan_layer`` calls before allocating; inside the layer the pages are split by ``inner``
-    (uniform by default, as in PyramidKV). Only when the base itself is below the floors or above the
-    capacity can the realised mean differ from the base.
+    and get less. Layer l's page total follows ``pyramid_schedule`` (arithmetic; ``beta`` >= 1 sets the
+    slope: top layer = bottom / (2 beta - 1); beta = 1 is flat; PyramidKV's code uses 20). Implemented
+    through ``layer_total_pages``, which ``Policy.plan_layer`` calls before allocating; inside the layer
+    the pages are split by ``inner`` (uniform by default, as in PyramidKV).
+
+    Where this differs from the paper: the paper's schedule has the budget as its MEAN over layers. In
+    vLLM's paged pool a block holds every layer, so the bytes a request holds are set by its LARGEST
+    layer; with the paper's schedule a request would hold almost twice its budget. Here the largest
+    (bottom) layer gets the layer's budget and the others less, so the bytes held are the budget and the
+    layers keep ``(1 + 1/(2 beta - 1)) / 2`` of it on average (about half at beta = 20).
     """
 
     beta: float = 20.0
@@ -63,8 +69,16 @@ class PyramidAllocator:
 
     def layer_total_pages(self, base_total: int, inp: LayerInputs, min_total: int = 0,
                           max_total: int | None = None) -> int:
-        sched = pyramid_schedule(base_total, inp.num_layers, self.beta, min_total, max_total)
-        return int(sched[min(max(inp.layer_idx, 0), sched.numel() - 1)])
+        if self.beta < 1.0:
+            raise ValueError(f"pyramid beta must be >= 1 (1 = flat), got {self.beta}")
+        cap = base_total if max_total is None else min(base_total, max_total)
+        n = max(1, int(inp.num_layers))
+        layer = min(max(inp.layer_idx, 0), n - 1)
+        # the schedule's shape (PyramidKV's: arithmetic from 2 - 1/beta down to 1/beta), scaled so that
+        # its largest layer is the base; layers below the heads' floors are lifted to them, layers above
+        # what the candidates hold keep them all
+        frac = 1.0 - (1.0 - 1.0 / (2.0 * self.beta - 1.0)) * layer / max(1, n - 1)
+        return int(min(cap, max(min_total, math.floor(base_total * frac + 1e-9))))
 
     def allocate(self, scores: torch.Tensor, inp: LayerInputs, budget: LayerBudget) -> torch.Tensor:
         return self.inner.allocate(scores, inp, budget)

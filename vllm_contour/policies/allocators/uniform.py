@@ -15,6 +15,6 @@ class UniformAllocator:
     """Same number of pages for every head (remainder to the lowest head indices)."""
 
     def allocate(self, scores: torch.Tensor, inp: LayerInputs, budget: LayerBudget) -> torch.Tensor:
-        h, rp = inp.num_kv_heads, inp.num_region_pages
-        total, floor = clamp_total(budget, h, rp)
-        return distribute_pages(torch.ones(h), total, floor, rp)
+        caps = inp.head_caps()
+        total, floor = clamp_total(budget, caps)
+        return distribute_pages(torch.ones(inp.num_kv_heads), total, floor, caps)

@@ -3,7 +3,7 @@ One file per method."""
 
 from .common import avg_pool, gqa_mean, window_attention, window_mass, window_queries
 from .expected_attention import ExpectedAttentionScorer
-from .h2o import H2OScorer, TopMassScorer
+from .h2o import H2OScorer
 from .keydiff import KeyDiffScorer
 from .knorm import KeyNormScorer
 from .moment import MomentScorer
@@ -12,5 +12,5 @@ from .snapkv import SnapKVScorer
 from .tova import TOVAScorer
 
 __all__ = ["avg_pool", "gqa_mean", "window_attention", "window_mass", "window_queries",
-           "ExpectedAttentionScorer", "H2OScorer", "TopMassScorer", "KeyDiffScorer", "KeyNormScorer",
+           "ExpectedAttentionScorer", "H2OScorer", "KeyDiffScorer", "KeyNormScorer",
            "MomentScorer", "RecencyScorer", "SnapKVScorer", "TOVAScorer"]

@@ -50,7 +50,7 @@ def gqa_mean(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 def window_attention(inp: LayerInputs) -> torch.Tensor:
     """Softmax attention ``[Hq, W', T]`` of the captured window queries (those before ``context_end``)
-    over all prompt keys, causal by absolute position (a query at position p sees keys 0..p), fp32.
+    over all keys, causal by absolute position (a query at position p sees keys at positions <= p), fp32.
     ``W'`` may be 0 when every captured query lies after the context end."""
     q, qpos = window_queries(inp)  # [Hq, W, D]
     hq, w, _ = q.shape
@@ -62,7 +62,7 @@ def window_attention(inp: LayerInputs) -> torch.Tensor:
         return torch.zeros(hq, 0, t)
     k = k.repeat_interleave(g, dim=0)  # [Hq, T, D]
     logits = torch.matmul(q, k.transpose(1, 2)) * inp.scale  # [Hq, W, T]
-    kpos = torch.arange(t).view(1, 1, t)
+    kpos = inp.token_positions.view(1, 1, t)
     logits = logits.masked_fill(kpos > qpos.view(1, w, 1), float("-inf"))
     return torch.softmax(logits, dim=-1)
 

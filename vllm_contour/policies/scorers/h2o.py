@@ -17,13 +17,15 @@ class H2OScorer:
     looked at it ("heavy hitters"). H2O accumulates over every query seen so far; the engine only
     captures the observation window, so here the mass is accumulated over the captured window queries
     that lie inside the scoring context (like SnapKV without the pooling), averaged over the query heads
-    of a GQA group. This is also the "top-mass" signal of ContourKV: top-k of these scores keeps the
-    most window-attention mass."""
+    of a GQA group. During decoding (``accumulates``) a kept token carries its score into the next round
+    (``LayerInputs.prior``), so its mass is accumulated over every round's window, as H2O accumulates
+    over steps. This is also the "top-mass" signal of ContourKV: top-k of these scores keeps the most
+    window-attention mass."""
 
     needs_queries: bool = True
+    accumulates: bool = True
 
     def score(self, inp: LayerInputs) -> torch.Tensor:
-        return window_mass(inp)
+        mass = window_mass(inp)
+        return mass if inp.prior is None else mass + inp.prior.to(mass.dtype)
 
-
-TopMassScorer = H2OScorer

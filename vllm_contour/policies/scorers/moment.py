@@ -45,7 +45,7 @@ class MomentScorer:
         w = self.weight.score(inp).to(torch.float32).nan_to_num(0.0, 0.0, 0.0).clamp_min(0.0)
         keys = inp.keys[:, :r]
         values = inp.values[:, :r]
-        in_ctx = torch.arange(r) < (inp.context_len or r)
+        in_ctx = inp.token_positions[:r] < inp.context_end
         mask = in_ctx.unsqueeze(0).expand(h, r)
         score = w * residual_norms(keys, values, accumulate(keys, values, mask), inp.scale)
         if self.iterate and inp.budget_pages is not None:

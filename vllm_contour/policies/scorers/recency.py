@@ -18,5 +18,5 @@ class RecencyScorer:
     needs_queries: bool = False
 
     def score(self, inp: LayerInputs) -> torch.Tensor:
-        pos = torch.arange(inp.region_len, dtype=torch.float32)
+        pos = inp.token_positions[: inp.region_len].to(torch.float32)
         return pos.unsqueeze(0).expand(inp.num_kv_heads, -1).clone()

@@ -35,7 +35,8 @@ class DiversitySelector:
     Per head the forced tokens (score ``+inf``: sinks, recent window) are taken first; then, one token at
     a time, the next pick maximises ``score_norm_j - lam * max_{i kept} cos(sig_j, sig_i)`` where the
     signature of token j is the layer's values averaged over its KV heads (``values[:, j].mean(0)``),
-    L2-normalised, so near-duplicate tokens are not kept twice. Scores live on different scales per head
+    L2-normalised, so near-duplicate tokens are not kept twice. In a decode-time round the heads have
+    different candidates (``inp.is_ragged``), so each head uses its own values as signatures. Scores live on different scales per head
     (attention mass, -||k||, ...), so they are min-max normalised to [0, 1] per head over the finite
     scores before the penalty is subtracted (``lam`` is then in units of "the head's full score range").
     With an empty kept set the penalty is 0. Ties go to the lower token index, like top-k.
@@ -54,7 +55,12 @@ class DiversitySelector:
         h, r = scores.shape
         bs = inp.page_size
         ks = [min(int(pages[i]) * bs, r) for i in range(h)]
-        sig = F.normalize(inp.values[:, :r].to(torch.float32).mean(dim=0), p=2, dim=-1)  # [R, D]
+        vals = inp.values[:, :r].to(torch.float32)
+        if inp.is_ragged:  # [H, R, D]: head h's own candidates
+            sig = F.normalize(vals, p=2, dim=-1)
+        else:  # [R, D], shared by the heads
+            sig = F.normalize(vals.mean(dim=0), p=2, dim=-1).unsqueeze(0).expand(h, -1, -1)
+        valid = inp.candidate_mask() if inp.is_ragged else torch.ones(h, r, dtype=torch.bool)
         norm = normalise_scores(scores)
         forced = torch.isposinf(norm)
         kept = torch.zeros(h, r, dtype=torch.bool)
@@ -62,21 +68,21 @@ class DiversitySelector:
         maxsim = torch.zeros(h, r)
         for i in range(h):
             nf = int(forced[i].sum())
-            if ks[i] <= nf or ks[i] >= r:
+            if ks[i] <= nf or ks[i] >= int(valid[i].sum()):
                 kept[i, topk_indices(scores[i], ks[i])] = True
                 continue
             kept[i] = forced[i]
             need[i] = ks[i] - nf
             if nf > 0:
-                maxsim[i] = (sig[forced[i]] @ sig.t()).max(dim=0).values
+                maxsim[i] = (sig[i, forced[i]] @ sig[i].t()).max(dim=0).values
         neg_inf = torch.tensor(-float("inf"))
         while bool((need > 0).any()):
             active = need > 0
-            obj = torch.where(kept, neg_inf, norm - self.lam * maxsim)
+            obj = torch.where(kept | ~valid, neg_inf, norm - self.lam * maxsim)
             pick = torch.argmax(obj, dim=1)  # first maximum -> lower index on ties
             rows = torch.nonzero(active).squeeze(1)
             kept[rows, pick[rows]] = True
             need[rows] -= 1
-            sim = sig[pick[rows]] @ sig.t()  # [A, R]
+            sim = torch.einsum("ad,ard->ar", sig[rows, pick[rows]], sig[rows])  # [A, R]
             maxsim[rows] = torch.maximum(maxsim[rows], sim)
         return [torch.nonzero(kept[i]).squeeze(1).to(torch.int64) for i in range(h)]

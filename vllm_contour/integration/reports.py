@@ -1,0 +1,63 @@
+"""What the two sides of the connector send each other every step.
+
+Scheduler -> workers (``ContourMetadata``): the rounds to run after this step's forward, the query ranges
+to capture, the requests to forget. Workers -> scheduler (``ContourReport``): the outcome of every round
+item on every rank, and the requests whose output of this step is wrong.
+
+An outcome is a dict: ``{"kind": "round", "seq", "region_blocks", "kept_blocks", "freed": [(slot,
+block_id), ...]}``, ``{"kind": "noop", "seq"}`` (nothing to evict), ``{"kind": "plan_failed", "seq",
+"reason"}`` (nothing moved) or ``{"kind": "recompute", "seq", "reason"}`` (bytes moved, then it failed).
+Ranks merge (``aggregate``): a block is freed only when every rank freed it; ranks that disagree on the
+outcome or the region make the request recompute (their caches no longer describe one request).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from vllm_contour.integration.state import CaptureItem, RoundItem
+
+
+@dataclass
+class ContourMetadata(KVConnectorMetadata):
+    rounds: list[RoundItem] = field(default_factory=list)
+    capture: list[CaptureItem] = field(default_factory=list)
+    dropped: set[str] = field(default_factory=set)
+
+
+def merge_outcomes(a: dict, b: dict) -> dict:
+    if a["kind"] == "recompute":
+        return a
+    if b["kind"] == "recompute":
+        return b
+    if a["kind"] != b["kind"] or a.get("seq") != b.get("seq"):
+        return {"kind": "recompute", "seq": a.get("seq"),
+                "reason": f"ranks disagree on the round ({a['kind']} vs {b['kind']})"}
+    if a["kind"] != "round":
+        return a
+    if a["region_blocks"] != b["region_blocks"]:
+        return {"kind": "recompute", "seq": a["seq"], "reason": "ranks disagree on the compacted region"}
+    mine = {tuple(x) for x in b["freed"]}
+    return {"kind": "round", "seq": a["seq"], "region_blocks": a["region_blocks"],
+            "kept_blocks": max(a["kept_blocks"], b["kept_blocks"]),
+            "freed": [tuple(x) for x in a["freed"] if tuple(x) in mine]}
+
+
+class ContourReport(KVConnectorWorkerMetadata):
+    def __init__(self, entries: dict[str, dict] | None = None, forward_errors: dict[str, str] | None = None):
+        self.entries = dict(entries or {})
+        self.forward_errors = dict(forward_errors or {})
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+        assert isinstance(other, ContourReport)
+        merged = dict(self.entries)
+        for req_id, out in other.entries.items():
+            merged[req_id] = merge_outcomes(merged[req_id], out) if req_id in merged else out
+        errors = dict(self.forward_errors)
+        errors.update(other.forward_errors)
+        return ContourReport(merged, errors)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries) or bool(self.forward_errors)

@@ -1,0 +1,65 @@
+"""The plugin's scheduler class (``SchedulerConfig.scheduler_cls``): vLLM's scheduler plus what a KV
+connector cannot do alone.
+
+- A request whose attention op failed in this step (its sampled token is wrong) is finished alone with
+  ``FINISHED_ERROR`` before its output of the step is delivered; the client gets an error, the rest of the
+  batch goes on.
+- A request whose round failed after bytes moved (its cache no longer matches any layout) is preempted and
+  recomputed from its tokens, without eviction; its output so far is kept (it was computed before the
+  round ran).
+Everything else is vLLM's own ``Scheduler``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from vllm.logger import init_logger
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.request import RequestStatus
+
+from vllm_contour.integration.reports import ContourReport
+
+logger = init_logger("vllm.contour")
+
+
+class ContourScheduler(Scheduler):
+    def _contour_side(self):
+        return getattr(self.connector, "scheduler_side", None)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        side = self._contour_side()
+        errors: list = []
+        if side is not None:
+            kvo = model_runner_output.kv_connector_output
+            report = kvo.kv_connector_worker_meta if kvo is not None else None
+            if isinstance(report, ContourReport) and report.forward_errors:
+                ids = [r for r in report.forward_errors if r in self.requests]
+                side.note_forward_errors({r: report.forward_errors[r] for r in ids})
+                errors = self.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if side is None:
+            return outputs
+        for req in errors:
+            out = EngineCoreOutput(request_id=req.request_id, new_token_ids=[],
+                                   finish_reason=req.get_finished_reason(), events=req.take_events(),
+                                   trace_headers=req.trace_headers)
+            eco = outputs.get(req.client_index)
+            if eco is None:
+                outputs[req.client_index] = EngineCoreOutputs(outputs=[out])
+            else:
+                eco.outputs.append(out)
+        recompute = side.take_recompute()
+        if recompute:
+            now = time.monotonic()
+            for req_id, reason in recompute.items():
+                req = self.requests.get(req_id)
+                if req is None or req.status != RequestStatus.RUNNING or req not in self.running:
+                    continue
+                self.running.remove(req)
+                self._preempt_request(req, now)
+                # resumed in a later step as a fresh prefill (the runner must not reuse its cached state)
+                self.prev_step_scheduled_req_ids.discard(req_id)
+                logger.warning("kv_eviction: %s is recomputed without eviction (%s)", req_id, reason)
+        return outputs

@@ -1,0 +1,284 @@
+"""Scheduler side of eviction: when a request's round runs, which blocks go back to vLLM's pool, what a
+request holds over its life, and which requests must be recomputed or fail alone.
+
+Every step (``build_meta``), for each scheduled request that evicts:
+- its next round is due when the tokens with KV after the step reach ``R``: the prompt end (or the end of
+  a re-prefill) when the prompt alone passes ``budget + T``; otherwise ``budget + T`` (a short prompt is
+  first compressed while it decodes); once compacted, ``E * block_size + T`` (the dense tail reached
+  ``T``). ``T = 0``: only at the prompt end, once.
+- query-aware policies get the window ``[R - W, R)`` captured as those tokens are computed.
+- the blocks it holds (vLLM's own block list minus the null blocks eviction put in) are sampled for the
+  mean / peak KV metrics.
+
+Reports (``apply``) come back in the same step: the listed logical blocks are replaced by vLLM's null block
+and freed, exactly as vLLM's sliding-window managers free blocks mid-request; a report for a request that
+finished, was preempted or moved on meanwhile is stale and ignored. A round that failed before any byte
+moved leaves the request as it is and stops evicting it; one that failed after (or disagreed between
+ranks) asks the plugin's scheduler to recompute the request densely. Nothing here raises into vLLM: a
+request whose handling fails is served without eviction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+
+from vllm_contour.budget import CacheShape, PageBudget, decode_interval_for, request_budget
+from vllm_contour.config import EvictionConfig, RequestEviction, resolve_request
+from vllm_contour.integration.metrics import ContourStats
+from vllm_contour.integration.reports import ContourMetadata, ContourReport
+from vllm_contour.integration.state import CaptureItem, RoundItem
+from vllm_contour.policies import build_policy
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.request import Request
+
+logger = init_logger("vllm.contour")
+
+
+@dataclass
+class Tracked:
+    request: "Request"
+    params: RequestEviction | None  # None: this request does not evict
+    budget: PageBudget | None = None
+    interval: int = 0  # T
+    needs_queries: bool = False
+    prefill_end: int = 0  # tokens the current (re)prefill computes
+    compacted: bool = False
+    region_blocks: int = 0  # E
+    retry_at: int = 0  # a first round that found nothing to evict is retried from here (T > 0)
+    pending: int | None = None  # seq of the round in flight
+    seq: int = 0
+    nulled: int = 0  # logical blocks of the request that eviction replaced by the null block
+    held_sum: float = 0.0
+    held_n: int = 0
+    held_peak: int = 0
+    prefill_tried: bool = False
+
+
+@dataclass
+class SchedulerTotals:
+    """Cumulative counts of this process's scheduler side (for tests and logs); the same events go out as
+    per-step deltas of ``ContourStats``."""
+
+    evicted_requests: int = 0
+    rounds: int = 0
+    freed_blocks: int = 0
+    stale_reports: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    last: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # req -> (K, E, freed) of its last round
+    kv_held: dict[str, tuple[float, int]] = field(default_factory=dict)  # finished req -> (mean, peak) tokens/head
+
+
+class SchedulerSide:
+    def __init__(self, config: EvictionConfig, block_size: int, shape: CacheShape | None):
+        self.config = config
+        self.block_size = block_size
+        self.shape = shape
+        self.manager: "KVCacheManager | None" = None
+        self.tracked: dict[str, Tracked] = {}
+        self.totals = SchedulerTotals()
+        self._stats = ContourStats()
+        self._needs_queries: dict[str, bool] = {}
+        self._recompute: dict[str, str] = {}
+        self._logged: set[tuple[str, str]] = set()
+
+    def bind(self, kv_cache_manager: "KVCacheManager") -> None:
+        self.manager = kv_cache_manager
+
+    # ------------------------------------------------------------------ request life
+    def on_alloc(self, request: "Request") -> None:
+        """(Re)admitted from the waiting queue: a resumed request re-prefills and starts over."""
+        try:
+            t = self.tracked.get(request.request_id)
+            if t is None:
+                t = self.tracked[request.request_id] = Tracked(request, self._resolve(request))
+            t.request = request
+            t.prefill_end = request.num_tokens
+            t.compacted, t.region_blocks, t.retry_at, t.pending, t.nulled = False, 0, 0, None, 0
+            t.prefill_tried = False
+        except Exception as e:  # never into vLLM: this request is served without eviction
+            self._fail(request.request_id, "metadata", e)
+            self.tracked[request.request_id] = Tracked(request, None)
+
+    def _resolve(self, request: "Request") -> RequestEviction | None:
+        extra = request.sampling_params.extra_args if request.sampling_params else None
+        params = resolve_request(self.config, extra)
+        if not params.enabled:
+            return None
+        if getattr(request, "resumable", False):
+            self._log_once(request.request_id, "resumable",
+                           "kv_eviction: %s is a streaming-input (resumable) request; served without eviction",
+                           request.request_id)
+            return None
+        return params
+
+    def _prepare(self, t: Tracked) -> None:
+        if t.budget is None and self.shape is not None:
+            t.budget = request_budget(t.params, self.shape, per_request=True)
+            t.interval = decode_interval_for(t.params, self.block_size)
+        name = t.params.policy
+        if name not in self._needs_queries:
+            self._needs_queries[name] = build_policy(name).needs_queries
+        t.needs_queries = self._needs_queries[name]
+
+    def finished(self, request: "Request") -> None:
+        t = self.tracked.pop(request.request_id, None)
+        if t is not None and t.params is not None and t.held_n:
+            self._stats.observe("request_mean_kv_tokens", t.held_sum / t.held_n)
+            self._stats.observe("request_peak_kv_tokens", t.held_peak)
+            self.totals.kv_held[request.request_id] = (t.held_sum / t.held_n, t.held_peak)
+            if len(self.totals.kv_held) > 4096:
+                self.totals.kv_held.pop(next(iter(self.totals.kv_held)))
+        self._recompute.pop(request.request_id, None)
+
+    def _next_round(self, t: Tracked) -> int | None:
+        p, bs, interval = t.params, self.block_size, t.interval
+        if t.compacted:
+            return t.region_blocks * bs + interval if interval else None
+        if interval == 0 or (p.context_len and not t.prefill_tried):
+            return None if t.prefill_tried else t.prefill_end
+        return max(t.prefill_end, p.budget + interval, t.retry_at)
+
+    # ------------------------------------------------------------------ every step
+    def build_meta(self, scheduler_output) -> ContourMetadata:
+        dropped = set(scheduler_output.finished_req_ids or ())
+        dropped |= set(scheduler_output.preempted_req_ids or ())
+        rounds: list[RoundItem] = []
+        captures: list[CaptureItem] = []
+        scheduled = [r.req_id for r in scheduler_output.scheduled_new_reqs]
+        scheduled += list(scheduler_output.scheduled_cached_reqs.req_ids)
+        for req_id in scheduled:
+            t = self.tracked.get(req_id)
+            if t is None or t.params is None:
+                continue
+            try:
+                self._step_request(t, scheduler_output.num_scheduled_tokens.get(req_id, 0), rounds, captures)
+            except Exception as e:
+                self._fail(req_id, "metadata", e)
+                t.params = None
+        return ContourMetadata(rounds=rounds, capture=captures, dropped=dropped)
+
+    def _step_request(self, t: Tracked, n_sched: int, rounds: list, captures: list) -> None:
+        req = t.request
+        self._prepare(t)
+        blocks = self._blocks(req.request_id)
+        held = len(blocks) - t.nulled
+        t.held_sum += held * self.block_size
+        t.held_n += 1
+        t.held_peak = max(t.held_peak, held * self.block_size)
+        start, done = req.num_computed_tokens, req.num_computed_tokens + n_sched
+        r = self._next_round(t)
+        if r is None or t.budget is None:
+            return
+        w = t.params.window
+        if t.needs_queries and start < r and done > r - w:
+            captures.append(CaptureItem(req.request_id, blocks[0].block_id, max(start, r - w), min(done, r), w))
+        if done >= r and done >= req.num_tokens and t.pending is None:
+            t.seq += 1
+            t.pending = t.seq
+            if not t.compacted:
+                t.prefill_tried = True
+            rounds.append(RoundItem(req_id=req.request_id, block_ids=[b.block_id for b in blocks],
+                                    num_tokens=done, params=t.params, seq=t.seq))
+
+    def _blocks(self, req_id: str):
+        return self.manager.coordinator.single_type_managers[0].req_to_blocks.get(req_id, [])
+
+    def apply(self, report: ContourReport) -> None:
+        """The workers' outcomes of this step's rounds."""
+        for req_id, out in report.entries.items():
+            try:
+                self._apply_one(req_id, out)
+            except Exception as e:
+                self._fail(req_id, "metadata", e)
+                t = self.tracked.get(req_id)
+                if t is not None:
+                    t.params = None
+
+    def _apply_one(self, req_id: str, out: dict) -> None:
+        t = self.tracked.get(req_id)
+        req = t.request if t is not None else None
+        if t is None or req is None or req.is_finished() or t.pending != out.get("seq"):
+            self.totals.stale_reports += 1
+            self._stats.add("stale_reports", 1)
+            return
+        t.pending = None
+        kind = out["kind"]
+        if kind == "noop":
+            if not t.compacted:
+                t.retry_at = (t.retry_at or req.num_computed_tokens) + max(t.interval, self.block_size)
+            return
+        if kind == "plan_failed":
+            self._fail(req_id, "plan", out.get("reason", ""))
+            t.params = None  # nothing moved: served as it is, no more rounds
+            return
+        if kind == "recompute":
+            self._fail(req_id, "apply", out.get("reason", ""))
+            t.params = None
+            self._recompute[req_id] = out.get("reason", "")
+            return
+        blocks = self._blocks(req_id)
+        pool = self.manager.block_pool
+        frees = out["freed"]
+        if any(s >= len(blocks) or blocks[s].is_null or blocks[s].block_id != b for s, b in frees):
+            self.totals.stale_reports += 1
+            self._stats.add("stale_reports", 1)
+            return
+        freed = [blocks[s] for s, _ in frees]
+        for s, _ in frees:
+            blocks[s] = pool.null_block
+        pool.free_blocks(freed)
+        t.nulled += len(freed)
+        if not t.compacted:
+            self.totals.evicted_requests += 1
+            self._stats.add("evicted_requests", 1)
+        t.compacted = True
+        t.region_blocks = out["region_blocks"]
+        self.totals.rounds += 1
+        self.totals.freed_blocks += len(freed)
+        self._stats.add("rounds", 1)
+        self._stats.add("freed_blocks", len(freed))
+        self.totals.last[req_id] = (out["kept_blocks"], out["region_blocks"], len(freed))
+        if len(self.totals.last) > 4096:
+            self.totals.last.pop(next(iter(self.totals.last)))
+        logger.debug("kv_eviction: %s round %d keeps %d blocks, region ends at %d, freed %d", req_id,
+                     out["seq"], out["kept_blocks"], out["region_blocks"], len(freed))
+
+    # ------------------------------------------------------------------ failures
+    def _count_failure(self, reason: str) -> None:
+        self.totals.failures[reason] = self.totals.failures.get(reason, 0) + 1
+        self._stats.add("eviction_failures", 1, label=reason)
+
+    def _fail(self, req_id: str, reason: str, err: Any) -> None:
+        self._count_failure(reason)
+        self._log_once(req_id, reason, "kv_eviction: %s: eviction failed (%s: %s); the request goes on without "
+                                       "it", req_id, reason, err)
+
+    def _log_once(self, req_id: str, what: str, msg: str, *args) -> None:
+        if (req_id, what) in self._logged:
+            return
+        self._logged.add((req_id, what))
+        if len(self._logged) > 8192:
+            self._logged.clear()
+        logger.warning(msg, *args)
+
+    def take_recompute(self) -> dict[str, str]:
+        out, self._recompute = self._recompute, {}
+        return out
+
+    def note_forward_errors(self, errors: dict[str, str]) -> None:
+        """Requests the plugin's scheduler finishes with an error (their output of the step is wrong)."""
+        for req_id, reason in errors.items():
+            self._count_failure("forward")
+            self._log_once(req_id, "forward", "kv_eviction: %s failed in the attention op (%s); the request "
+                                              "is finished with an error", req_id, reason)
+
+    def take_stats(self) -> ContourStats | None:
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, ContourStats()
+        return out

@@ -1,0 +1,224 @@
+"""Worker side of eviction: after the step's forward (all layers' KV written), run the step's rounds and
+report their outcomes; keep the captured window queries; check at start-up that eviction can run here.
+
+A round is planned completely first (policy, allocation, layout, moment pages, bounds; nothing written);
+a plan that fails leaves the request exactly as it was and is reported ``plan_failed``. Then the bytes
+move (moments, compaction, moment storage, only through ``ops``); a failure from there on is reported
+``recompute`` and the request's state is dropped, so the scheduler recomputes it densely. Nothing here
+raises into vLLM's engine loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.logger import init_logger
+
+from vllm_contour import ops
+from vllm_contour.budget import CacheShape, request_budget
+from vllm_contour.config import EvictionConfig
+from vllm_contour.evictor import FaultInjected, apply_round, plan_round
+from vllm_contour.integration.metrics import ContourStats
+from vllm_contour.integration.reports import ContourMetadata, ContourReport
+from vllm_contour.integration.state import QueryRing, RoundItem, worker_state
+from vllm_contour.policies import build_policy
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger("vllm.contour")
+
+FAULTS_ENV = "VLLM_CONTOUR_FAULTS"
+
+
+class FaultSwitch:
+    """TEST ONLY. ``VLLM_CONTOUR_FAULTS="plan=0.2,apply=0.1,seed=0"`` makes that share of rounds fail while
+    planning (nothing written) or raise in the middle of compaction (after the first layer moved). Off by
+    default; chosen per (request, round) by a hash, so a run is reproducible."""
+
+    def __init__(self, spec: str | None):
+        self.rates: dict[str, float] = {}
+        self.seed = "0"
+        for part in (spec or "").split(","):
+            if not part.strip():
+                continue
+            key, _, value = part.partition("=")
+            key = key.strip()
+            if key == "seed":
+                self.seed = value.strip()
+            elif key in ("plan", "apply"):
+                self.rates[key] = float(value)
+            else:
+                raise ValueError(f"{FAULTS_ENV}: unknown key {key!r} (plan, apply, seed)")
+
+    def hit(self, kind: str, req_id: str, seq: int) -> bool:
+        rate = self.rates.get(kind, 0.0)
+        if rate <= 0:
+            return False
+        h = hashlib.sha256(f"{self.seed}/{kind}/{req_id}/{seq}".encode()).digest()
+        return int.from_bytes(h[:8], "little") / 2 ** 64 < rate
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: "VllmConfig", config: EvictionConfig):
+        self.vllm_config = vllm_config
+        self.config = config
+        self.block_size = vllm_config.cache_config.block_size
+        self._layer_caches: list[tuple[str, torch.Tensor]] = []
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._shape: CacheShape | None = None
+        self._scale: float | None = None
+        self._report: dict[str, dict] = {}
+        self._stats = ContourStats()
+        self._policies: dict[tuple, object] = {}
+        self.faults = FaultSwitch(os.environ.get(FAULTS_ENV))
+        if self.faults.rates:
+            logger.warning("kv_eviction: TEST-ONLY fault switch %s=%s is on", FAULTS_ENV, os.environ[FAULTS_ENV])
+
+    # ------------------------------------------------------------------ start-up
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Every "can eviction run here" check happens here, at engine start: the cache layout probe (an
+        unknown layout stops the engine with a message naming dtype and ISA), the ops' implementations."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        from vllm_contour.integration.backend import layer_kv_views
+
+        named = sorted(kv_caches.items(), key=lambda kv: extract_layer_index(kv[0]))
+        self._layer_caches = named
+        st = worker_state()
+        st.layer_index = {name: i for i, (name, _) in enumerate(named)}
+        self._views = [layer_kv_views(kv) for _, kv in named]
+        k0 = self._views[0][0]
+        self._shape = CacheShape(block_size=k0.shape[2], num_kv_heads=k0.shape[1], head_dim=k0.shape[3],
+                                 elem_size=k0.element_size())
+        impls = ops.implementations("cpu")
+        self._stats.info("ops", impls)
+        from vllm_contour.ops import cpu_ext
+
+        if impls["ragged_decode_attention"] == "torch" or impls["compact"] == "torch":
+            logger.warning("kv_eviction: the C++ kernels (vllm_contour._C) are not loaded (%s); eviction falls "
+                           "back to the torch reference ops: decoding compacted requests is ~4-7x slower than "
+                           "vLLM's own kernel. Reinstall with `pip install --no-build-isolation -e .` to build "
+                           "them.", cpu_ext.LOAD_ERROR or "VLLM_CONTOUR_OPS_IMPL forces torch")
+        logger.info("kv_eviction: worker ready (pid %d): %d layers, %d KV heads, head dim %d, block %d, %s; "
+                    "ops %s", os.getpid(), len(named), self._shape.num_kv_heads, self._shape.head_dim,
+                    self._shape.block_size, k0.dtype, impls)
+
+    def _layer_scale(self) -> float:
+        if self._scale is None:
+            from vllm.config import get_layers_from_vllm_config
+            from vllm.model_executor.layers.attention import Attention
+
+            layers = get_layers_from_vllm_config(self.vllm_config, Attention, [n for n, _ in self._layer_caches])
+            scales = {float(layer.impl.scale) for layer in layers.values()}
+            if len(scales) != 1:
+                raise ValueError(f"kv_eviction: layers use different attention scales {scales}")
+            self._scale = scales.pop()
+        return self._scale
+
+    def _policy(self, params):
+        key = (params.policy, params.sink_tokens, params.recent_window)
+        pol = self._policies.get(key)
+        if pol is None:
+            pol = self._policies[key] = build_policy(params.policy, sink_tokens=params.sink_tokens,
+                                                     recent_window=params.recent_window)
+        return pol
+
+    # ------------------------------------------------------------------ every step
+    def begin_step(self, md: ContourMetadata) -> None:
+        st = worker_state()
+        try:
+            for req_id in md.dropped:
+                st.drop(req_id)
+            st.rounds_now = {it.req_id: it for it in md.rounds}
+            st.capture_keys = {c.key_block: c for c in md.capture}
+            for c in md.capture:
+                rs = st.state_for(c.req_id, c.key_block)
+                if rs.ring is None or rs.ring.window != c.window:
+                    rs.ring = QueryRing(c.window)
+            st.staged, st.staged_rows, st.forward_errors = {}, None, {}
+        except Exception as e:  # never into vLLM: forget this step's work, keep serving
+            logger.warning("kv_eviction: could not start the step (%s); no round this step", e)
+            st.rounds_now, st.capture_keys = {}, {}
+
+    def after_forward(self) -> None:
+        st = worker_state()
+        try:
+            self._store_captures()
+        except Exception as e:
+            logger.warning("kv_eviction: could not store captured queries (%s)", e)
+        for req_id, item in list(st.rounds_now.items()):
+            self._run_round(item)
+        st.rounds_now = {}
+        st.capture_keys = {}
+        st.staged, st.staged_rows = {}, None
+        self._stats.gauge("query_buffer_bytes", st.query_buffer_bytes())
+
+    def _store_captures(self) -> None:
+        st = worker_state()
+        rows = st.staged_rows
+        if rows is None or not st.staged:
+            return
+        layers = sorted(st.staged)
+        stacked = torch.stack([st.staged[layer] for layer in layers])  # [L, n, Hq, D]
+        for req_id, off, n, pos0 in rows.owners:
+            rs = st.requests.get(req_id)
+            if rs is None or rs.ring is None:
+                continue
+            rs.ring.write(torch.arange(pos0, pos0 + n), stacked[:, off : off + n])
+
+    def _run_round(self, item: RoundItem) -> None:
+        st = worker_state()
+        req_id = item.req_id
+        rs = st.state_for(req_id, item.block_ids[0])
+        prev = rs.layout
+        t0 = time.perf_counter()
+        try:
+            if self.faults.hit("plan", req_id, item.seq):
+                raise FaultInjected("fault switch: plan failed")
+            budget = request_budget(item.params, self._shape, per_request=True)
+            queries, qpos = rs.ring.layer_queries() if rs.ring is not None else (None, None)
+            plan = plan_round(self._views, item.block_ids, item.num_tokens, item.params, budget,
+                              self._layer_scale(), prev=prev, queries=queries, query_positions=qpos,
+                              policy=self._policy(item.params))
+        except Exception as e:
+            self._report[req_id] = {"kind": "plan_failed", "seq": item.seq, "reason": f"{type(e).__name__}: {e}"}
+            return
+        if plan is None:
+            self._report[req_id] = {"kind": "noop", "seq": item.seq}
+            return
+        t1 = time.perf_counter()
+        try:
+            fail_at = 0 if self.faults.hit("apply", req_id, item.seq) else None
+            layout = apply_round(self._views, plan, fail_after_layer=fail_at)
+        except Exception as e:
+            st.drop(req_id)  # its cache no longer matches any layout: the scheduler recomputes it
+            self._report[req_id] = {"kind": "recompute", "seq": item.seq, "reason": f"{type(e).__name__}: {e}"}
+            return
+        t2 = time.perf_counter()
+        st.set_layout(rs, layout)
+        self._report[req_id] = {"kind": "round", "seq": item.seq, "region_blocks": layout.region_blocks,
+                                "kept_blocks": layout.kept_blocks,
+                                "freed": list(zip(plan.freed_slots, plan.freed_blocks))}
+        self._stats.add("policy_seconds", t1 - t0)
+        self._stats.add("compact_seconds", t2 - t1)
+        self._stats.add("tokens_evicted", plan.evicted_tokens / max(1, layout.num_layers * layout.num_kv_heads))
+        self._stats.observe("round_seconds", t2 - t0)
+
+    def take_report(self) -> ContourReport | None:
+        st = worker_state()
+        if not self._report and not st.forward_errors:
+            return None
+        report = ContourReport(self._report, st.forward_errors)
+        self._report, st.forward_errors = {}, {}
+        return report
+
+    def take_stats(self) -> ContourStats | None:
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, ContourStats()
+        return out
