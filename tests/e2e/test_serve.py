@@ -1,4 +1,8 @@
-"""`vllm-contour serve` end to end over HTTP (one server for the whole module)."""
+"""`vllm-contour serve` end to end over HTTP.
+
+Two servers for the module: ``server`` (snapkv, 128 tokens per head, decode-time rounds, and the TEST-ONLY
+fault switch making some rounds fail while planning or after the first layer moved) carries the functional
+tests and a soak; ``moment_server`` (server-wide ``--kv-moment-correction``) carries a second soak."""
 
 from __future__ import annotations
 
@@ -34,37 +38,63 @@ def _post(url, body):
         return e.code, json.loads(e.read())
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def _start(tmp_path_factory, name: str, flags: list[str], extra_env: dict | None = None):
     from vllm_contour.models import fetch_model
 
     model = str(fetch_model("smollm2", quiet=True))
     port = _port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    log = tmp_path_factory.mktemp(name) / "server.log"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0", **(extra_env or {}))
     cmd = [str(BIN / "vllm-contour"), "serve", model, "--served-model-name", "smollm2", "--port", str(port),
-           "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
-           "--kv-eviction-policy", "snapkv", "--kv-budget", "128"]
+           "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", *flags]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     t0 = time.time()
+    while True:
+        try:
+            urllib.request.urlopen(base + "/v1/models", timeout=2).read()
+            return base, log, proc
+        except Exception:
+            if proc.poll() is not None or time.time() - t0 > 900:
+                os.killpg(proc.pid, 9)
+                raise RuntimeError("server did not start:\n" + log.read_text()[-5000:])
+            time.sleep(1)
+
+
+def _stop(proc):
+    os.killpg(proc.pid, 15)
     try:
-        while True:
-            try:
-                urllib.request.urlopen(base + "/v1/models", timeout=2).read()
-                break
-            except Exception:
-                if proc.poll() is not None or time.time() - t0 > 900:
-                    raise RuntimeError("server did not start:\n" + log.read_text()[-5000:])
-                time.sleep(1)
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+
+
+FAULTS = "plan=0.15,apply=0.15,seed=1"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    base, log, proc = _start(tmp_path_factory, "serve", ["--kv-eviction-policy", "snapkv", "--kv-budget", "128"],
+                             {"VLLM_CONTOUR_FAULTS": FAULTS})
+    try:
         yield base, log, proc.pid
     finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def moment_server(tmp_path_factory):
+    base, log, proc = _start(tmp_path_factory, "serve_moments",
+                             ["--kv-eviction-policy", "snapkv", "--kv-budget", "128", "--kv-moment-correction"])
+    try:
+        yield base, log, proc
+    finally:
+        _stop(proc)
+
+
+def _metrics(base) -> str:
+    return urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
 
 
 def _story(n):
@@ -81,8 +111,11 @@ def test_completion_and_chat_with_eviction(server):
         "model": "smollm2", "max_tokens": 16, "temperature": 0,
         "messages": [{"role": "user", "content": _story(60) + "\nWhat does the keeper do?"}]})
     assert code == 200 and out["choices"][0]["message"]["content"].strip()
-    text = log.read_text()
-    assert "kv_eviction:" in text and "freed" in text
+    from benchmarks.soak import summarise_metrics
+
+    contour = summarise_metrics(_metrics(base))["contour"]
+    assert contour.get("vllm:contour_freed_blocks_total", 0) > 0, contour
+    assert "TEST-ONLY fault switch" in log.read_text()
 
 
 def test_streaming_chat_and_completion(server):
@@ -100,7 +133,11 @@ def test_streaming_chat_and_completion(server):
 
 
 @pytest.mark.parametrize("xargs, word", [({"kv_budget": 0}, "kv_budget"), ({"kv_policy": "nope"}, "kv_policy"),
-                                         ({"kv_buget": 5}, "kv_buget")])
+                                         ({"kv_buget": 5}, "kv_buget"),
+                                         ({"kv_budget": 32}, "floor of 64 tokens"),
+                                         ({"kv_budget": 96, "kv_moment_correction": True}, "floor of 128 tokens"),
+                                         ({"kv_decode_interval": 40}, "kv_decode_interval"),
+                                         ({"kv_moment_correction": "maybe"}, "kv_moment_correction")])
 def test_bad_request_args_get_400_and_server_survives(server, xargs, word):
     base, _, _ = server
     code, out = _post(base + "/v1/chat/completions", {"model": "smollm2", "max_tokens": 4,
@@ -135,6 +172,107 @@ def test_help_lists_flags_and_policies():
                          capture_output=True, text=True, timeout=180)
     text = out.stdout + out.stderr
     for word in ("--kv-eviction-policy", "--kv-budget", "--kv-recent-window", "--kv-sink-tokens",
-                 "--kv-moment-correction", "snapkv",
+                 "--kv-moment-correction", "--kv-decode-interval", "--kv-observation-window", "snapkv",
                  "streaming"):
         assert word in text, text[-2000:]
+
+
+# Every documented per-request key, in the JSON form a client sends (booleans as JSON booleans, which vLLM
+# hands over as 1 / 0), through real HTTP; vLLM's own kv_transfer_params must not be mistaken for one.
+DOCUMENTED = [{"kv_policy": "streaming"}, {"kv_budget": 64}, {"kv_recent_window": 16}, {"kv_sink_tokens": 2},
+              {"kv_moment_correction": True, "kv_budget": 128}, {"kv_moment_correction": False},
+              {"kv_decode_interval": 32}, {"kv_decode_interval": 0}, {"kv_observation_window": 16},
+              {"kv_context_len": 300}, {"kv_policy": "none"}]
+
+
+@pytest.mark.parametrize("xargs", DOCUMENTED, ids=lambda x: ",".join(f"{k}={v}" for k, v in x.items()))
+def test_every_documented_key_over_http(server, xargs):
+    base, _, _ = server
+    body = {"model": "smollm2", "prompt": _story(60), "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+            "vllm_xargs": xargs}
+    code, out = _post(base + "/v1/completions", body)
+    assert code == 200, out
+    assert out["usage"]["completion_tokens"] == 48 and out["choices"][0]["finish_reason"] == "length"
+
+
+def test_vllms_own_kv_transfer_params_pass(server):
+    base, _, _ = server
+    code, out = _post(base + "/v1/completions", {"model": "smollm2", "prompt": "Hello there", "max_tokens": 4,
+                                                 "kv_transfer_params": {"note": "not the plugin's"}})
+    assert code == 200, out
+
+
+def _soak(base, seed, moments):
+    from benchmarks.soak import make_plan, run_load, settle
+
+    plan = make_plan(64, seed=seed, max_tokens=(8, 40), invalid_share=0.15, cancel_share=0.1, abort_share=0.05,
+                     moments=moments)
+    t0 = time.time()
+    res = run_load(base, plan, clients=4, timeout=300)
+    idle = settle(base, timeout=120)
+    return plan, res, idle, time.time() - t0
+
+
+def _check_soak(plan, res, idle, wall):
+    kinds = {k: sum(1 for p in plan if p["kind"] == k) for k in ("valid", "invalid", "stream_cancel", "abort")}
+    assert res["valid_failed"] == [] and res["invalid_wrong"] == [], (res["valid_failed"], res["invalid_wrong"])
+    assert res["invalid_ok"] == kinds["invalid"]
+    assert res["ok"] >= kinds["valid"], res
+    assert idle["settled"] and idle["healthy"], idle
+    assert idle["running"] == 0 and idle["waiting"] == 0 and idle["kv_usage"] == 0, idle  # no block leaked
+    assert wall < 300, wall  # a bound on the test's length (not a speed claim)
+
+
+def test_soak_mixed_load_with_the_fault_switch(server):
+    """>= 60 requests from 4 clients: random prompt lengths (5-2,000 tokens), random per-request policy /
+    budget / moments / decode interval / context length, streams cancelled mid-stream, abandoned requests,
+    invalid overrides; a share of the rounds fail (fault switch). Every valid request completes, every
+    invalid one gets HTTP 400 naming the field, the server is healthy and idle with no block held, and the
+    failures are counted by reason."""
+    base, log, _ = server
+    plan, res, idle, wall = _soak(base, seed=1, moments="random")
+    _check_soak(plan, res, idle, wall)
+    failures = idle["failures_by_reason"]
+    assert failures.get("plan", 0) + failures.get("apply", 0) > 0, failures
+    contour = idle["contour"]
+    assert contour.get("vllm:contour_rounds_total", 0) > 0, contour
+    assert "Traceback" not in log.read_text()
+
+
+def test_soak_with_server_wide_moment_correction(moment_server):
+    base, log, _ = moment_server
+    plan, res, idle, wall = _soak(base, seed=2, moments=True)
+    _check_soak(plan, res, idle, wall)
+    assert idle["failures_by_reason"] == {} or sum(idle["failures_by_reason"].values()) == 0, idle
+    assert "Traceback" not in log.read_text()
+
+
+def test_accounting_metrics_in_metrics_endpoint(moment_server):
+    """The per-request KV accounting (mean and peak tokens per KV head held in vLLM's pool over the request's
+    life) and the round latency are Prometheus histograms on /metrics; which implementation each op uses is
+    an info gauge. A request on its own (budget 128 with moments, T 64, 100 prompt + 300 generated tokens)
+    ends with a peak within budget + T tokens per head. (This server has no fault switch.)"""
+    from benchmarks.serving import parse_prometheus
+
+    base, _, _ = moment_server
+    before = {(n, tuple(sorted(lb.items()))): v for n, lb, v in parse_prometheus(_metrics(base))}
+    code, _ = _post(base + "/v1/completions", {"model": "smollm2", "prompt": [500 + i for i in range(100)],
+                                               "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+                                               "vllm_xargs": {"kv_policy": "knorm"}})
+    assert code == 200
+    samples = parse_prometheus(_metrics(base))
+    names = {n for n, _, _ in samples}
+    for name in ("vllm:contour_request_mean_kv_tokens_count", "vllm:contour_request_peak_kv_tokens_sum",
+                 "vllm:contour_round_seconds_count", "vllm:contour_ops_info", "vllm:contour_query_buffer_bytes"):
+        assert name in names, name
+    ops = {lb["op"]: lb["impl"] for n, lb, v in samples if n == "vllm:contour_ops_info" and v == 1}
+    assert ops.get("compact") == "cpp" and ops.get("ragged_decode_attention") == "cpp", ops
+
+    def delta(name):
+        now = sum(v for n, lb, v in samples if n == name)
+        was = sum(v for (n, _), v in before.items() if n == name)
+        return now - was
+
+    assert delta("vllm:contour_request_peak_kv_tokens_count") == 1
+    peak = delta("vllm:contour_request_peak_kv_tokens_sum")
+    assert 128 < peak <= 128 + 64 + 32, peak  # it grew past the budget, then rounds held it within
