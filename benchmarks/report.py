@@ -98,7 +98,14 @@ def render_serving(runs: list[tuple[str, dict]]) -> str:
         out += [md_table(["policy", "pool", "L", "arrivals/s", "stock out tok/s", "evict out tok/s", "out tok/s x",
                           "peak running stock / evict", "preemptions stock / evict", "TPOT p50 x", "TTFT p50 x"],
                          ratio_rows), ""]
-    if over_rows:
+    wall = [o for o in over_rows if o.get("overhead_pct_of_wall") is not None]
+    if wall:
+        pct = [o["overhead_pct_of_wall"] for o in wall]
+        ms = [o["ms_per_round"] for o in wall if o.get("ms_per_round") is not None]
+        rpr = [o["rounds_per_request"] for o in wall if o.get("rounds_per_request") is not None]
+        out += [f"Eviction rounds: {min(rpr):.1f}–{max(rpr):.1f} per request, {min(ms):.0f}–{max(ms):.0f} ms each, "
+                f"{min(pct):.1f}–{max(pct):.1f} % of the run's wall time (from the plugin's own counters).", ""]
+    elif over_rows:
         pct = [o["overhead_pct_of_prefill"] for o in over_rows if o.get("overhead_pct_of_prefill") is not None]
         pol = [o["policy_ms_per_request"] for o in over_rows if o.get("policy_ms_per_request") is not None]
         cmp_ = [o["compact_ms_per_request"] for o in over_rows if o.get("compact_ms_per_request") is not None]

@@ -77,8 +77,9 @@ FULL = dict(output_lens=[64, 256, 512], num_prompts=24, max_concurrency=24, pool
 
 RUN_METRICS = ("request_throughput", "output_throughput", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
                "tpot_p99_ms", "peak_running", "mean_running", "peak_kv_usage", "preemptions")
-CONTOUR_COUNTERS = ("evicted_requests", "freed_blocks", "stale_reports", "policy_seconds", "compact_seconds",
-                    "prefill_tokens_evicted_from")
+CONTOUR_COUNTERS = ("evicted_requests", "rounds", "freed_blocks", "stale_reports", "policy_seconds",
+                    "compact_seconds", "tokens_evicted", "request_mean_kv_tokens_sum", "request_mean_kv_tokens_count",
+                    "request_peak_kv_tokens_sum", "request_peak_kv_tokens_count")
 VLLM_COUNTERS = ("vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens",
                  "vllm:request_success")
 
@@ -267,20 +268,36 @@ def ratio_table(rows: list[dict], baseline: str = "stock", metrics: Iterable[str
     return out
 
 
-def eviction_overhead(deltas: dict[str, float], prefill_tok_per_s: float | None,
+def eviction_overhead(deltas: dict[str, float], wall_s: float | None,
                       ttft_sum_s: float | None = None) -> dict[str, float | None]:
-    """Eviction cost relative to prefill. ``deltas``: the run's ``contour_*`` counter deltas."""
+    """Eviction cost of a run from its ``contour_*`` counter deltas: the rounds (prompt end and decode time)
+    stall the whole batch, so their worker time is compared with the run's wall time."""
     cost = deltas.get("policy_seconds", 0.0) + deltas.get("compact_seconds", 0.0)
-    tokens = deltas.get("prefill_tokens_evicted_from", 0.0)
-    est = tokens / prefill_tok_per_s if prefill_tok_per_s and tokens else None
-    return {"eviction_seconds": cost,
-            "prefill_seconds_est": est,
-            "overhead_pct_of_prefill": 100.0 * cost / est if est else None,
+    rounds, evicted = deltas.get("rounds") or 0.0, deltas.get("evicted_requests") or 0.0
+    return {"eviction_seconds": cost, "rounds": rounds,
+            "rounds_per_request": rounds / evicted if evicted else None,
+            "ms_per_round": 1000.0 * cost / rounds if rounds else None,
+            "overhead_pct_of_wall": 100.0 * cost / wall_s if wall_s else None,
             "overhead_pct_of_ttft_sum": 100.0 * cost / ttft_sum_s if ttft_sum_s else None,
-            "policy_ms_per_request": (1000.0 * deltas.get("policy_seconds", 0.0) / deltas["evicted_requests"]
-                                      if deltas.get("evicted_requests") else None),
-            "compact_ms_per_request": (1000.0 * deltas.get("compact_seconds", 0.0) / deltas["evicted_requests"]
-                                       if deltas.get("evicted_requests") else None)}
+            "policy_ms_per_request": 1000.0 * deltas.get("policy_seconds", 0.0) / evicted if evicted else None,
+            "compact_ms_per_request": 1000.0 * deltas.get("compact_seconds", 0.0) / evicted if evicted else None}
+
+
+def kv_held_summary(deltas: dict[str, float]) -> dict[str, float | None]:
+    """Mean over the run's requests of each request's mean / peak KV tokens per head held in vLLM's pool (the
+    plugin's histograms; deltas of their ``_sum`` and ``_count``)."""
+    out = {}
+    for kind in ("mean", "peak"):
+        n = deltas.get(f"request_{kind}_kv_tokens_count") or 0.0
+        out[f"{kind}_kv_tokens"] = deltas.get(f"request_{kind}_kv_tokens_sum", 0.0) / n if n else None
+    return out
+
+
+def stock_kv_tokens_est(input_len: int, output_len: int, block_size: int) -> dict[str, float]:
+    """What stock vLLM holds per head for one request that is never preempted: every token, in whole blocks
+    (mean over its decode steps, and at its end)."""
+    steps = [-(-(input_len + i) // block_size) * block_size for i in range(1, max(1, output_len) + 1)]
+    return {"mean_kv_tokens": sum(steps) / len(steps), "peak_kv_tokens": float(steps[-1])}
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str]], nd: int = 2) -> str:
@@ -499,7 +516,7 @@ class MetricsPoller(threading.Thread):
 
 def bench_argv(*, base_url: str, model_dir: str, input_len: int, output_len: int, num_prompts: int,
                max_concurrency: int | None, request_rate: float, seed: int, result_dir: Path,
-               result_filename: str, label: str) -> list[str]:
+               result_filename: str, label: str, range_ratio: float = 0.0) -> list[str]:
     argv = ["bench", "serve", "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
             "--model", SERVED_NAME, "--served-model-name", SERVED_NAME, "--tokenizer", model_dir,
             "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len",
@@ -510,6 +527,8 @@ def bench_argv(*, base_url: str, model_dir: str, input_len: int, output_len: int
             "--result-filename", result_filename, "--label", label, "--disable-tqdm"]
     if max_concurrency:
         argv += ["--max-concurrency", str(max_concurrency)]
+    if range_ratio:
+        argv += ["--random-range-ratio", str(range_ratio)]
     return argv
 
 
@@ -577,12 +596,15 @@ def probe_prefill(server: Server, input_len: int, seed: int) -> dict:
             "prefill_tok_per_s": n / max(1e-9, dt - evict_s), "loadavg": os.getloadavg()}
 
 
-def serve_flags(*, pool: int, block_size: int, max_model_len: int, policy: str | None, budget: int) -> list[str]:
+def serve_flags(*, pool: int, block_size: int, max_model_len: int, policy: str | None, budget: int,
+                decode_interval: int | None = None) -> list[str]:
     flags = ["--dtype", "float32", "--enforce-eager", "--block-size", str(block_size),
              "--num-gpu-blocks-override", str(pool), "--max-model-len", str(max_model_len),
              "--no-enable-prefix-caching", "--seed", "0"]
     if policy:
         flags += ["--kv-eviction-policy", policy, "--kv-budget", str(budget)]
+        if decode_interval is not None:
+            flags += ["--kv-decode-interval", str(decode_interval)]
     return flags
 
 
@@ -591,7 +613,7 @@ def run_server_config(cfg: dict, opts, out: Path, pbar, model_dir: str, env: dic
     tag = f"{name}_pool{pool}"
     server = Server(tag, model_dir, serve_flags(pool=pool, block_size=opts.block_size,
                                                 max_model_len=opts.max_model_len, policy=policy,
-                                                budget=opts.budget),
+                                                budget=opts.budget, decode_interval=opts.kv_decode_interval),
                     env, out / "logs" / f"server_{tag}.log")
     record["commands"].append({"what": f"server {tag}", "env": {k: env[k] for k in (
         "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_TARGET_DEVICE")},
@@ -613,7 +635,7 @@ def run_server_config(cfg: dict, opts, out: Path, pbar, model_dir: str, env: dic
             argv = bench_argv(base_url=server.base_url, model_dir=model_dir, input_len=opts.input_len,
                               output_len=L, num_prompts=opts.num_prompts, max_concurrency=opts.max_concurrency,
                               request_rate=rate, seed=opts.seed, result_dir=out / "raw",
-                              result_filename=fname, label=tag)
+                              result_filename=fname, label=tag, range_ratio=opts.range_ratio)
             record["commands"].append({"what": f"client {tag} L={L}{rtag}",
                                        "argv": shlex.join(["vllm-contour", *argv])})
             before = metric_totals(http_get(server.base_url + "/metrics"))
@@ -653,7 +675,10 @@ def run_server_config(cfg: dict, opts, out: Path, pbar, model_dir: str, env: dic
                    "polls": len(raw_samples),
                    "timeline": samples}
             if policy:
-                row["overhead"] = eviction_overhead(contour, None, lat["ttft_sum_s"])
+                row["overhead"] = eviction_overhead(contour, res.get("duration"), lat["ttft_sum_s"])
+                row.update(kv_held_summary(contour))
+            else:
+                row.update({k + "_est": v for k, v in stock_kv_tokens_est(opts.input_len, L, opts.block_size).items()})
             if res.get("failed"):
                 errs = [e for e in res.get("errors", []) if e][:3]
                 row["errors_sample"] = errs
@@ -845,11 +870,10 @@ RATIO_COLS = [("config", "config"), ("pool", "pool"), ("output_len", "L"), ("req
               ("tpot_p50_ms", "TPOT p50 x"), ("tpot_p99_ms", "TPOT p99 x"), ("peak_running", "peak running x"),
               ("mean_running", "mean running x")]
 OVERHEAD_COLS = [("config", "config"), ("pool", "pool"), ("output_len", "L"), ("request_rate", "arrivals/s"),
-                 ("evicted_requests", "evicted"),
-                 ("freed_blocks", "freed blocks"), ("policy_ms_per_request", "policy ms/req"),
-                 ("compact_ms_per_request", "compact ms/req"), ("prefill_tok_per_s", "prefill tok/s"),
-                 ("overhead_pct_of_prefill", "% of prefill"),
-                 ("overhead_pct_of_ttft_sum", "% of sum TTFT")]
+                 ("evicted_requests", "evicted"), ("rounds_per_request", "rounds/req"),
+                 ("freed_blocks", "freed blocks"), ("ms_per_round", "ms/round"),
+                 ("overhead_pct_of_wall", "% of wall"), ("mean_kv_tokens", "mean KV/head"),
+                 ("peak_kv_tokens", "peak KV/head")]
 OFFLINE_COLS = [("config", "config"), ("pool", "pool"), ("num_prompts", "prompts"), ("output_len", "L"),
                 ("generate_s", "generate s"), ("output_tok_per_s", "out tok/s"), ("total_tok_per_s", "total tok/s"),
                 ("peak_running", "peak running"), ("mean_running", "mean running"), ("peak_kv_usage", "peak KV"),
@@ -857,20 +881,16 @@ OFFLINE_COLS = [("config", "config"), ("pool", "pool"), ("num_prompts", "prompts
 
 
 def finalize_overhead(rows: list[dict], servers: list[dict]) -> list[dict]:
-    """Fill the prefill-throughput-based overhead now that the stock probe of the same pool is known."""
-    stock_tps = {s["pool"]: s["probe"]["tok_per_s"] for s in servers if s["config"] == "stock"}
-    own_tps = {(s["config"], s["pool"]): s["probe"].get("prefill_tok_per_s") for s in servers}
+    """The overhead table: one row per eviction run."""
     table = []
     for r in rows:
         if not r.get("policy") or r.get("contour") is None:
             continue
-        tps = own_tps.get((r["config"], r["pool"])) or stock_tps.get(r["pool"])
-        r["overhead"] = eviction_overhead(r["contour"], tps, r.get("ttft_sum_s"))
-        r["overhead"]["prefill_tok_per_s"] = tps
-        r["overhead"]["prefill_tok_per_s_stock_probe"] = stock_tps.get(r["pool"])
+        r["overhead"] = eviction_overhead(r["contour"], r.get("duration_s"), r.get("ttft_sum_s"))
         table.append({"config": r["config"], "pool": r["pool"], "output_len": r["output_len"],
                       "request_rate": r.get("request_rate"), "evicted_requests": r["contour"].get("evicted_requests"),
-                      "freed_blocks": r["contour"].get("freed_blocks"), **r["overhead"]})
+                      "freed_blocks": r["contour"].get("freed_blocks"), "mean_kv_tokens": r.get("mean_kv_tokens"),
+                      "peak_kv_tokens": r.get("peak_kv_tokens"), **r["overhead"]})
     return table
 
 
@@ -902,6 +922,10 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="model dir (default: the bundled smollm2)")
     p.add_argument("--input-len", type=int, default=2000)
     p.add_argument("--output-lens", type=int, nargs="+")
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="vLLM bench's --random-range-ratio: input and output lengths uniform in "
+                        "[len * (1 - r), len * (1 + r)] (default 0: fixed lengths)")
+    p.add_argument("--kv-decode-interval", type=int, default=None, help="eviction servers' --kv-decode-interval")
     p.add_argument("--num-prompts", type=int)
     p.add_argument("--max-concurrency", type=int, help="client-side concurrency cap (default: num prompts)")
     p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
@@ -927,7 +951,9 @@ def parse_args(argv=None):
     for k, v in base.items():
         if getattr(a, k, None) is None:
             setattr(a, k, v)
-    a.max_model_len = max_model_len_for(a.input_len, a.output_lens, a.block_size)
+    r = 1.0 + a.range_ratio
+    a.max_model_len = max_model_len_for(int(a.input_len * r) + 1, [int(L * r) + 1 for L in a.output_lens],
+                                        a.block_size)
     a.offline_max_model_len = max_model_len_for(a.input_len, [a.offline_output_len], a.block_size)
     return a
 
@@ -959,9 +985,11 @@ def main(argv=None) -> int:
         "commands": [], "servers": [], "runs": [], "ratios": [], "overhead": [], "offline": [],
         "notes": {
             "tpot": "(latency - ttft) / (output_tokens - 1) per request, percentiles with linear interpolation",
-            "overhead_pct_of_prefill": "(policy_seconds + compact_seconds) / (prefill_tokens_evicted_from / "
-                                       "prefill tok/s of the same server's timed probe, net of the probe's own "
-                                       "policy+compact seconds; the stock probe if missing)",
+            "overhead_pct_of_wall": "(policy_seconds + compact_seconds) / the run's duration: rounds (prompt end "
+                                    "and decode time) run inside engine steps and stall the batch",
+            "mean_kv_tokens": "mean over the run's requests of each request's mean KV tokens per head held in "
+                              "vLLM's pool over its life (the plugin's histograms); stock: *_est, every token "
+                              "in whole blocks, no preemption",
             "loadavg": "1-min load average of the shared 2-core host, sampled with every poll: other jobs on "
                        "the host slow both configurations, and unequal load between them biases the ratios",
             "overhead_pct_of_ttft_sum": "(policy_seconds + compact_seconds) / sum of TTFTs (TTFT includes "

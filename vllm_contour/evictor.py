@@ -84,49 +84,38 @@ def plan_round(caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[
         targets = list(prev.block_slots) + list(range(prev.region_blocks, e_new))
     blocks = torch.tensor(block_ids[:n_blocks], dtype=torch.int64)
     num_layers = len(caches)
-    kept_all: list[list[torch.Tensor]] = []
-    kept_pos: list[list[torch.Tensor]] = []
-    kept_scores: list[list[torch.Tensor] | None] = []
-    src_tables: list[torch.Tensor] = []
-    pages = torch.zeros((num_layers, h), dtype=torch.int64)
-    evicted_n = torch.zeros((num_layers, h), dtype=torch.int64)
+    if policy.needs_queries and any(queries.get(layer) is None for layer in range(num_layers)):
+        raise PlanError(f"policy {policy.name} needs window queries; some layers have none")
+    q_all = None if not queries else torch.cat([queries[layer] for layer in range(num_layers)])
+    if prev is None:
+        inp, src_tables, cand_pos = _first_round_inputs(caches, blocks, num_tokens, e_new, block_ids, h, scale,
+                                                        q_all, query_positions, window_end)
+    else:
+        inp, src_tables, cand_pos = _round_inputs(caches, blocks, num_tokens, prev, e_new, scale, q_all,
+                                                  query_positions, policy.accumulates)
+    # every layer scored in one pass (scorers work per KV head), then allocated and selected per layer
+    sels = policy.plan_rows(inp, [budget.token_pages] * num_layers, h)
+    kept_all = [sel.kept for sel in sels]
+    pages = torch.tensor([[k.numel() // bs for k in sel.kept] for sel in sels], dtype=torch.int64)
+    n_cand = torch.tensor([[p.numel() for p in row] for row in cand_pos], dtype=torch.int64)
+    evicted_n = n_cand - pages * bs
+    kept_pos = [[cand_pos[layer][hh][k] for hh, k in enumerate(sel.kept)] for layer, sel in enumerate(sels)]
+    kept_scores = [sel.scores if policy.accumulates else None for sel in sels]
     evicted_sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = []
-    for layer, (kc, vc) in enumerate(caches):
-        q = None if queries is None else queries.get(layer)
-        if policy.needs_queries and q is None:
-            raise PlanError(f"policy {policy.name} needs window queries; none captured for layer {layer}")
-        if prev is None:
-            keys = kc[blocks].permute(1, 0, 2, 3).reshape(h, n_blocks * bs, d)[:, :num_tokens]
-            values = vc[blocks].permute(1, 0, 2, 3).reshape(h, n_blocks * bs, d)[:, :num_tokens]
-            inp = LayerInputs(keys=keys, values=values, region_len=e_new * bs, page_size=bs, layer_idx=layer,
-                              num_layers=num_layers, scale=scale, queries=q, query_positions=query_positions,
-                              window_end=window_end)
-            sel = policy.plan_layer(inp, budget.token_pages)
-            src = region_source_table(block_ids[:e_new], h)
-            cand_pos = [torch.arange(e_new * bs)] * h
-        else:
-            heads, src, cand_pos = _round_inputs(kc, vc, blocks, num_tokens, prev, layer, e_new, scale, q,
-                                                 query_positions, policy.accumulates, num_layers)
-            sel = policy.plan_layer_ragged(heads, budget.token_pages)
-        kept_all.append(sel.kept)
-        kept_pos.append([cand_pos[hh][k] for hh, k in enumerate(sel.kept)])
-        kept_scores.append(sel.scores if policy.accumulates else None)
-        src_tables.append(src)
-        pages[layer] = torch.tensor([k.numel() // bs for k in sel.kept], dtype=torch.int64)
-        n_cand = torch.tensor([p.numel() for p in cand_pos])
-        evicted_n[layer] = n_cand - pages[layer] * bs
-        if budget.moment_pages:
-            ev_p, ev_o, ev_h = [], [], []
-            for hh, k in enumerate(sel.kept):
-                mask = torch.ones(int(n_cand[hh]), dtype=torch.bool)
-                mask[k] = False
-                j = mask.nonzero().squeeze(1)
-                ev_p.append(src[hh, j // bs])
-                ev_o.append(j % bs)
-                ev_h.append(torch.full_like(j, hh))
-            evicted_sets.append((torch.cat(ev_p), torch.cat(ev_o), torch.cat(ev_h)))
-        else:
+    for layer, sel in enumerate(sels):
+        if not budget.moment_pages:
             evicted_sets.append(None)
+            continue
+        src = src_tables[layer]
+        ev_p, ev_o, ev_h = [], [], []
+        for hh, k in enumerate(sel.kept):
+            mask = torch.ones(int(n_cand[layer, hh]), dtype=torch.bool)
+            mask[k] = False
+            j = mask.nonzero().squeeze(1)
+            ev_p.append(src[hh, j // bs])
+            ev_o.append(j % bs)
+            ev_h.append(torch.full_like(j, hh))
+        evicted_sets.append((torch.cat(ev_p), torch.cat(ev_o), torch.cat(ev_h)))
 
     target_ids = [int(block_ids[s]) for s in targets]
     max_tok = max(1, int(pages.max())) * bs
@@ -157,51 +146,73 @@ def plan_round(caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[
                      prev=prev, evicted_tokens=int(evicted_n.sum()), seconds=time.perf_counter() - t0)
 
 
-def _round_inputs(kc, vc, blocks, num_tokens, prev: RequestLayout, layer, e_new, scale, q, query_positions,
-                  with_prior, num_layers):
-    """Per-head inputs of a later round: head h's kept run (original positions) then the new full tail
-    blocks, then the partial last block (context only, never a candidate)."""
+def _first_round_inputs(caches, blocks, num_tokens, e_new, block_ids, h, scale, q_all, query_positions,
+                        window_end):
+    """Every layer of a first round as one input: rows ``l * H + h``; every head's candidates are the full
+    blocks ``[0, E)`` (the prompt's partial last block and, query-agnostic, the question are context)."""
+    n_blocks = blocks.numel()
+    bs, d = caches[0][0].shape[2], caches[0][0].shape[3]
+    keys = torch.stack([kc[blocks].permute(1, 0, 2, 3) for kc, _ in caches])  # [L, H, n, bs, D], contiguous
+    values = torch.stack([vc[blocks].permute(1, 0, 2, 3) for _, vc in caches])
+    num_layers = len(caches)
+    keys = keys.reshape(num_layers * h, n_blocks * bs, d)[:, :num_tokens]
+    values = values.reshape(num_layers * h, n_blocks * bs, d)[:, :num_tokens]
+    inp = LayerInputs(keys=keys, values=values, region_len=e_new * bs, page_size=bs, layer_idx=0,
+                      num_layers=num_layers, scale=scale, queries=q_all, query_positions=query_positions,
+                      window_end=window_end)
+    src = region_source_table(block_ids[:e_new], h)
+    pos = torch.arange(e_new * bs)
+    return inp, [src] * num_layers, [[pos] * h for _ in range(num_layers)]
+
+
+def _round_inputs(caches, blocks, num_tokens, prev: RequestLayout, e_new, scale, q_all, query_positions,
+                  with_prior):
+    """Every layer of a later round as one padded input (rows ``l * H + h``): head h's kept run (original
+    positions) then the new full tail blocks ``[E, E2)``, padding up to the widest head, then the partial
+    last block (context only, never a candidate)."""
     h, bs = prev.num_kv_heads, prev.block_size
-    d = kc.shape[3]
+    d = caches[0][0].shape[3]
+    num_layers = len(caches)
     e_old = prev.region_blocks
     n_tail = e_new - e_old
-    p = prev.pages[layer].to(torch.int64)
+    p = prev.pages.to(torch.int64)  # [L, H]
     width = int(p.max()) + n_tail
-    run = prev.page_ids[layer].to(torch.int64)  # [H, max_pages]
-    tail = blocks[e_old:e_new].view(1, -1) * h + torch.arange(h).view(-1, 1)  # [H, n_tail]
-    src = torch.empty((h, width), dtype=torch.int64)
-    for hh in range(h):
-        ph = int(p[hh])
-        src[hh, :ph] = run[hh, :ph]
-        src[hh, ph : ph + n_tail] = tail[hh]
-        src[hh, ph + n_tail :] = tail[hh, 0]
-    blk, lane = src // h, src % h
-    keys = kc[blk, lane].reshape(h, width * bs, d)
-    values = vc[blk, lane].reshape(h, width * bs, d)
+    run = torch.nn.functional.pad(prev.page_ids.to(torch.int64), (0, max(0, width - prev.page_ids.shape[2])))
+    run = run[:, :, :width]
+    tail = blocks[e_old:e_new].view(1, 1, -1) * h + torch.arange(h).view(1, -1, 1)  # [1, H, n_tail]
+    j = torch.arange(width).view(1, 1, -1)
+    tail_idx = (j - p.unsqueeze(-1)).clamp(0, max(0, n_tail - 1))
+    src = torch.where(j < p.unsqueeze(-1), run, torch.gather(tail.expand(num_layers, -1, -1), 2, tail_idx))
+    blk, lane = src // h, src % h  # [L, H, W]
+    keys = torch.stack([kc[blk[layer], lane[layer]] for layer, (kc, _) in enumerate(caches)])  # [L, H, W, bs, D]
+    values = torch.stack([vc[blk[layer], lane[layer]] for layer, (_, vc) in enumerate(caches)])
+    keys = keys.reshape(num_layers * h, width * bs, d)
+    values = values.reshape(num_layers * h, width * bs, d)
     n_part = num_tokens - e_new * bs
+    tok = torch.arange(width * bs).view(1, 1, -1)
+    run_tok = p.unsqueeze(-1) * bs  # [L, H, 1]
+    kept_pos = torch.nn.functional.pad(prev.positions, (0, max(0, width * bs - prev.positions.shape[2])))
+    kept_pos = kept_pos[:, :, : width * bs]
+    pos = torch.where(tok < run_tok, kept_pos, e_old * bs + (tok - run_tok))  # [L, H, W*bs]
+    n_cand = (p + n_tail) * bs
+    valid = tok < n_cand.unsqueeze(-1)
     if n_part:
-        pk = kc[blocks[e_new], :, :n_part]  # [H, n_part, D]
-        pv = vc[blocks[e_new], :, :n_part]
-    tail_pos = torch.arange(e_old * bs, e_new * bs)
-    part_pos = torch.arange(e_new * bs, num_tokens)
-    g = None if q is None else q.shape[0] // h
-    heads, cand_pos = [], []
-    for hh in range(h):
-        c = (int(p[hh]) + n_tail) * bs
-        pos = torch.cat([prev.kept_positions(layer, hh), tail_pos])
-        k_h, v_h = keys[hh, :c], values[hh, :c]
-        if n_part:
-            k_h, v_h = torch.cat([k_h, pk[hh]]), torch.cat([v_h, pv[hh]])
-        prior = None
-        if with_prior and prev.carry is not None:
-            prior = torch.cat([prev.carry[layer, hh, : int(p[hh]) * bs], torch.zeros(n_tail * bs)]).view(1, -1)
-        heads.append(LayerInputs(keys=k_h.unsqueeze(0), values=v_h.unsqueeze(0), region_len=c, page_size=bs,
-                                 layer_idx=layer, num_layers=num_layers, scale=scale,
-                                 queries=None if q is None else q[hh * g : (hh + 1) * g],
-                                 query_positions=query_positions, positions=torch.cat([pos, part_pos]),
-                                 prior=prior))
-        cand_pos.append(pos)
-    return heads, src, cand_pos
+        pk = torch.stack([kc[blocks[e_new], :, :n_part] for kc, _ in caches]).reshape(num_layers * h, n_part, d)
+        pv = torch.stack([vc[blocks[e_new], :, :n_part] for _, vc in caches]).reshape(num_layers * h, n_part, d)
+        keys, values = torch.cat([keys, pk], dim=1), torch.cat([values, pv], dim=1)
+        part = torch.arange(e_new * bs, num_tokens).view(1, 1, -1).expand(num_layers, h, -1)
+        pos = torch.cat([pos, part], dim=2)
+        valid = torch.cat([valid, torch.ones_like(part, dtype=torch.bool)], dim=2)
+    prior = None
+    if with_prior and prev.carry is not None:
+        carry = torch.nn.functional.pad(prev.carry, (0, max(0, width * bs - prev.carry.shape[2])))[:, :, : width * bs]
+        prior = torch.where(tok < run_tok, carry, torch.zeros_like(carry)).reshape(num_layers * h, width * bs)
+    inp = LayerInputs(keys=keys, values=values, region_len=width * bs, page_size=bs, layer_idx=0,
+                      num_layers=num_layers, scale=scale, queries=q_all, query_positions=query_positions,
+                      positions=pos.reshape(num_layers * h, -1), prior=prior,
+                      head_pages=(p + n_tail).reshape(-1), valid=valid.reshape(num_layers * h, -1))
+    cand_pos = [[pos[layer, hh, : int(n_cand[layer, hh])] for hh in range(h)] for layer in range(num_layers)]
+    return inp, [src[layer] for layer in range(num_layers)], cand_pos
 
 
 class FaultInjected(RuntimeError):

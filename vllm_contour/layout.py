@@ -79,20 +79,18 @@ def plan_layout(pages: torch.Tensor, block_ids: list[int], block_size: int, num_
         raise ValueError(f"layout needs {k} blocks but the region has only {len(block_ids)}")
     blocks = torch.tensor(block_ids[:k], dtype=torch.int64)
     max_pages = max(1, int(pages.max()))
-    page_ids = torch.empty((num_layers, h, max_pages), dtype=torch.int64)
+    # slots of head h in layer l: [off[l, h], off[l, h] + pages[l, h]) (block-major: slot s -> target s // H,
+    # lane s % H), the layer's moment slots right after its token pages
+    off = torch.cumsum(pages, dim=1) - pages  # [L, H]
+    j = torch.arange(max_pages).view(1, 1, -1)
+    slot = (off.unsqueeze(-1) + j).clamp_max(k * num_kv_heads - 1)
+    ids = blocks[slot // num_kv_heads] * num_kv_heads + slot % num_kv_heads  # [L, H, max_pages]
+    first = torch.where(pages > 0, ids[:, :, 0], blocks[0] * num_kv_heads)
+    page_ids = torch.where(j < pages.unsqueeze(-1), ids, first.unsqueeze(-1))
     moment_ids = torch.empty((num_layers, max(moment_pages, 0)), dtype=torch.int64)
-    for layer in range(num_layers):
-        slot = 0
-        for head in range(h):
-            p = int(pages[layer, head])
-            slots = torch.arange(slot, slot + p)
-            ids = blocks[slots // num_kv_heads] * num_kv_heads + slots % num_kv_heads
-            page_ids[layer, head, :p] = ids
-            page_ids[layer, head, p:] = ids[0] if p > 0 else blocks[0] * num_kv_heads
-            slot += p
-        if moment_pages:
-            slots = torch.arange(slot, slot + moment_pages)
-            moment_ids[layer] = blocks[slots // num_kv_heads] * num_kv_heads + slots % num_kv_heads
+    if moment_pages:
+        mslot = pages.sum(dim=1, keepdim=True) + torch.arange(moment_pages).view(1, -1)  # [L, M]
+        moment_ids = blocks[mslot // num_kv_heads] * num_kv_heads + mslot % num_kv_heads
     if positions is None:
         positions = torch.full((num_layers, h, max_pages * block_size), -1, dtype=torch.int64)
     return RequestLayout(num_kv_heads=num_kv_heads, block_size=block_size, region_blocks=region_blocks,
@@ -115,22 +113,16 @@ def compaction_indices(kept: list[torch.Tensor], dst_page_ids: torch.Tensor, src
     ``kept[h]`` are the kept candidate indices of head h (sorted), ``src_table [H, P]`` the head-page id
     of each of head h's candidate pages (candidate j sits in page ``src_table[h, j // bs]`` at offset
     ``j % bs``), ``dst_page_ids [H, max_pages]`` the head's destination pages."""
-    src_p, src_o, dst_p, dst_o = [], [], [], []
-    table = src_table.to(torch.int64)
-    for head, idx in enumerate(kept):
-        n = idx.numel()
-        if n == 0:
-            continue
-        idx = idx.to(torch.int64)
-        src_p.append(table[head, idx // block_size])
-        src_o.append(idx % block_size)
-        j = torch.arange(n)
-        dst_p.append(dst_page_ids[head].to(torch.int64)[j // block_size])
-        dst_o.append(j % block_size)
-    if not src_p:
+    counts = torch.tensor([k.numel() for k in kept], dtype=torch.int64)
+    if int(counts.sum()) == 0:
         e = torch.empty(0, dtype=torch.int64)
         return e, e, e, e
-    return torch.cat(src_p), torch.cat(src_o), torch.cat(dst_p), torch.cat(dst_o)
+    idx = torch.cat([k.to(torch.int64) for k in kept])
+    head = torch.repeat_interleave(torch.arange(len(kept)), counts)
+    j = torch.arange(idx.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    table = src_table.to(torch.int64)
+    dst = dst_page_ids.to(torch.int64)
+    return table[head, idx // block_size], idx % block_size, dst[head, j // block_size], j % block_size
 
 
 def decode_page_table(layout: RequestLayout, tail_block_ids: list[int], tail_tokens: int):

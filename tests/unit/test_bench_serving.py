@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from benchmarks.serving import (active_window, bench_argv, counter_deltas, eviction_overhead, latency_summary, markdown_table,
+from benchmarks.serving import (active_window, bench_argv, counter_deltas, eviction_overhead, kv_held_summary,
+                                latency_summary, markdown_table, stock_kv_tokens_est,
                                 max_model_len_for, metric, metric_totals, parse_prometheus, percentile,
                                 ratio_table, request_latencies, serve_flags, timeline_summary)
 
@@ -139,18 +140,23 @@ def test_ratio_table_pairs_by_arrival_rate_and_rates_parse():
     assert parse_args(["--quick", "--request-rate", "0.05", "inf"]).request_rate == [0.05, inf]
 
 
-def test_eviction_overhead():
-    d = {"policy_seconds": 0.3, "compact_seconds": 0.1, "prefill_tokens_evicted_from": 8000.0,
-         "evicted_requests": 4.0}
-    o = eviction_overhead(d, prefill_tok_per_s=400.0, ttft_sum_s=80.0)
+def test_eviction_overhead_and_kv_held():
+    d = {"policy_seconds": 0.3, "compact_seconds": 0.1, "rounds": 8.0, "evicted_requests": 4.0,
+         "request_mean_kv_tokens_sum": 600.0, "request_mean_kv_tokens_count": 4.0,
+         "request_peak_kv_tokens_sum": 768.0, "request_peak_kv_tokens_count": 4.0}
+    o = eviction_overhead(d, wall_s=20.0, ttft_sum_s=80.0)
     assert o["eviction_seconds"] == pytest.approx(0.4)
-    assert o["prefill_seconds_est"] == pytest.approx(20.0)
-    assert o["overhead_pct_of_prefill"] == pytest.approx(2.0)
+    assert o["ms_per_round"] == pytest.approx(50.0) and o["rounds_per_request"] == pytest.approx(2.0)
+    assert o["overhead_pct_of_wall"] == pytest.approx(2.0)
     assert o["overhead_pct_of_ttft_sum"] == pytest.approx(0.5)
     assert o["policy_ms_per_request"] == pytest.approx(75.0)
     assert o["compact_ms_per_request"] == pytest.approx(25.0)
     empty = eviction_overhead({}, None, None)
-    assert empty["overhead_pct_of_prefill"] is None and empty["policy_ms_per_request"] is None
+    assert empty["overhead_pct_of_wall"] is None and empty["policy_ms_per_request"] is None
+    assert kv_held_summary(d) == {"mean_kv_tokens": 150.0, "peak_kv_tokens": 192.0}
+    assert kv_held_summary({}) == {"mean_kv_tokens": None, "peak_kv_tokens": None}
+    est = stock_kv_tokens_est(64, 3, 32)  # 65, 66, 67 tokens -> 96 each
+    assert est == {"mean_kv_tokens": 96.0, "peak_kv_tokens": 96.0}
 
 
 def test_markdown_table_and_flags():

@@ -42,19 +42,24 @@ class LayerInputs:
     # otherwise the prompt length). Windows (recent, observation) end here. Tokens at or after it
     # (the question) are kept dense and must not influence any score.
     window_end: int | None = None
-    # The layer's total head-pages (after any layer schedule), filled in by ``Policy.plan_layer`` for
-    # scorers that want to know roughly how much will be evicted (MomentKV's second pass). Optional.
-    budget_pages: int | None = None
-    # ``[T]`` absolute positions of the keys (sorted). None: the keys are tokens ``0..T-1`` (a prompt).
-    # Decode-time rounds hand each head its kept tokens (original positions) followed by the new tail.
+    # The head-pages the layer keeps (after any layer schedule), filled in by ``Policy`` for scorers that
+    # want to know roughly how much will be evicted (MomentKV's second pass): the layer's total, or
+    # ``[H]`` pages per head when several layers are scored at once. Optional.
+    budget_pages: int | torch.Tensor | None = None
+    # Absolute positions of the keys, ``[T]`` or per head ``[H, T]`` (sorted along T). None: the keys are
+    # tokens ``0..T-1`` (a prompt). Decode-time rounds hand each head its kept tokens (original
+    # positions) followed by the new tail.
     positions: torch.Tensor | None = None
     # ``[H, region_len]`` scores carried from earlier rounds for each candidate (0 for tokens that are
     # new this round), for scorers that accumulate across rounds (H2O). None: first round.
     prior: torch.Tensor | None = None
     # ``[H]`` candidate pages of each head when heads have different candidates (a decode-time round:
-    # head h's candidates are ``[0, head_pages[h] * page_size)``; the rest of the row is padding).
+    # head h's candidates are ``[0, head_pages[h] * page_size)``; the rest of the region is padding).
     # None: every head has the whole region.
     head_pages: torch.Tensor | None = None
+    # ``[H, T]`` bool: False where a row holds padding, not a token (its key is meaningless). Scorers
+    # must leave padding out of every statistic; their scores there are ignored. None: all tokens.
+    valid: torch.Tensor | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -72,28 +77,38 @@ class LayerInputs:
     def num_region_pages(self) -> int:
         return self.region_len // self.page_size
 
-    @property
-    def token_positions(self) -> torch.Tensor:
-        """``[T]`` int64 absolute position of every key."""
+    def key_mask(self) -> torch.Tensor:
+        """``[H, T]`` bool: True where a row holds a token."""
+        if self.valid is None:
+            return torch.ones((self.num_kv_heads, self.num_tokens), dtype=torch.bool)
+        return self.valid
+
+    def key_positions(self) -> torch.Tensor:
+        """``[H, T]`` int64 absolute position of every key; padding gets a position past every query, so a
+        causal mask hides it."""
         if self.positions is None:
-            return torch.arange(self.num_tokens, dtype=torch.int64)
-        return self.positions.to(torch.int64).reshape(-1)
+            pos = torch.arange(self.num_tokens, dtype=torch.int64).expand(self.num_kv_heads, -1)
+        else:
+            pos = self.positions.to(torch.int64)
+            pos = pos.expand(self.num_kv_heads, -1) if pos.dim() == 1 else pos
+        if self.valid is not None:
+            pos = torch.where(self.valid, pos, torch.full_like(pos, _PAST))
+        return pos
 
     @property
     def context_end(self) -> int:
         """Absolute position where the scoring context ends (exclusive)."""
         if self.window_end is not None:
             return self.window_end
-        if self.positions is None or self.positions.numel() == 0:
-            return self.num_tokens
-        return int(self.positions.reshape(-1)[-1]) + 1
-
-    @property
-    def context_len(self) -> int:
-        """Keys inside the scoring context (those before ``context_end``; keys are position-sorted)."""
         if self.positions is None:
-            return max(0, min(self.context_end, self.num_tokens))
-        return int((self.token_positions < self.context_end).sum())
+            return self.num_tokens
+        pos = self.key_positions()
+        pos = pos[pos < _PAST]
+        return int(pos.max()) + 1 if pos.numel() else 0
+
+    def context_mask(self) -> torch.Tensor:
+        """``[H, T]`` bool: the keys of the scoring context (tokens before ``context_end``, no padding)."""
+        return self.key_positions() < self.context_end
 
     @property
     def is_ragged(self) -> bool:
@@ -109,6 +124,17 @@ class LayerInputs:
         """``[H, region_len]`` bool: True where a head has a candidate (False = padding)."""
         j = torch.arange(self.region_len).view(1, -1)
         return j < (self.head_caps() * self.page_size).view(-1, 1)
+
+    def head_budget_pages(self) -> torch.Tensor | None:
+        """``[H]`` pages each head would keep under a uniform split of ``budget_pages`` (None: unknown)."""
+        if self.budget_pages is None:
+            return None
+        if isinstance(self.budget_pages, torch.Tensor):
+            return self.budget_pages.to(torch.int64)
+        return torch.full((self.num_kv_heads,), int(self.budget_pages) // self.num_kv_heads, dtype=torch.int64)
+
+
+_PAST = 2 ** 62  # position of padding keys: after every query
 
 
 @dataclass

@@ -47,19 +47,25 @@ class Policy:
         return bool(getattr(self.scorer, "accumulates", False))
 
     def forced_mask(self, inp: LayerInputs) -> torch.Tensor:
-        """``[region_len]`` bool: sinks (positions below ``sink_tokens``) and the recency window (the last
+        """``[H, region_len]`` bool: sinks (positions below ``sink_tokens``) and the recency window (the last
         ``recent_window`` positions before the context end) among the region's candidates. Every head
         keeps them."""
         r = inp.region_len
-        all_pos = inp.token_positions
-        pos = all_pos[:r]
-        end = min(inp.context_end, int(all_pos[-1]) + 1) if all_pos.numel() else 0
-        return (pos < self.sink_tokens) | ((pos >= end - self.recent_window) & (pos < end))
+        pos = inp.key_positions()
+        real = pos[pos < _past()]
+        end = min(inp.context_end, int(real.max()) + 1) if real.numel() else 0
+        pos = pos[:, :r]
+        mask = (pos < self.sink_tokens) | ((pos >= end - self.recent_window) & (pos < end))
+        return mask & inp.candidate_mask() if inp.is_ragged else mask
 
     def floor_pages(self, inp: LayerInputs) -> int:
         """Pages every head needs to hold its forced tokens (at least one)."""
-        forced = int(self.forced_mask(inp).sum())
-        return min(inp.num_region_pages, max(1, math.ceil(forced / inp.page_size)))
+        return self._floor(self.forced_mask(inp), inp)
+
+    @staticmethod
+    def _floor(forced: torch.Tensor, inp: LayerInputs) -> int:
+        n = int(forced.sum(dim=1).max()) if forced.numel() else 0
+        return min(int(inp.head_caps().max()) if inp.num_kv_heads else 0, max(1, math.ceil(n / inp.page_size)))
 
     def layer_total_pages(self, base_total: int, inp: LayerInputs, floor: int | None = None) -> int:
         """The layer's page budget; allocators with a layer schedule (PyramidKV) override it. A schedule
@@ -77,51 +83,43 @@ class Policy:
 
     def plan_layer(self, inp: LayerInputs, total_pages: int) -> Selection:
         """One layer whose heads share the candidates ``[0, region_len)``."""
-        h, rp = inp.num_kv_heads, inp.num_region_pages
-        if rp == 0:
-            return Selection([torch.empty(0, dtype=torch.int64) for _ in range(h)])
-        forced = self.forced_mask(inp)
-        floor = self.floor_pages(inp)
-        total_pages = self.layer_total_pages(total_pages, inp, floor)
-        inp = dataclasses.replace(inp, budget_pages=total_pages)
-        scores = self._score(self.scorer, inp)
-        alloc_scores = scores if self.alloc_scorer is None else self._score(self.alloc_scorer, inp)
-        return self._allocate_select(inp, scores, alloc_scores, forced, floor, total_pages)
+        return self.plan_rows(inp, [total_pages], inp.num_kv_heads)[0]
 
     def plan_layer_ragged(self, heads: list[LayerInputs], total_pages: int) -> Selection:
         """One layer whose heads have their own candidates: ``heads[h]`` is a one-KV-head input (its keys
         with their positions, its GQA group's window queries, ``region_len`` = its candidates, a whole
         number of pages). Returns kept indices into each head's own candidates."""
-        h = len(heads)
-        caps = torch.tensor([x.num_region_pages for x in heads], dtype=torch.int64)
-        rmax = int(caps.max()) * heads[0].page_size
-        if rmax == 0:
-            return Selection([torch.empty(0, dtype=torch.int64) for _ in range(h)])
-        forced_h = [self.forced_mask(x) for x in heads]
-        floor = max(self.floor_pages(x) for x in heads)
-        head0 = heads[0]
-        d = head0.head_dim
-        keys = torch.zeros((h, rmax, d), dtype=head0.keys.dtype)
-        values = torch.zeros((h, rmax, d), dtype=head0.values.dtype)
-        forced = torch.zeros((h, rmax), dtype=torch.bool)
-        prior = None if all(x.prior is None for x in heads) else torch.zeros((h, rmax))
-        for i, x in enumerate(heads):
-            r = x.region_len
-            keys[i, :r] = x.keys[0, :r]
-            values[i, :r] = x.values[0, :r]
-            forced[i, :r] = forced_h[i]
-            if prior is not None and x.prior is not None:
-                prior[i, :r] = x.prior[0, :r]
-        layer = LayerInputs(keys=keys, values=values, region_len=rmax, page_size=head0.page_size,
-                            layer_idx=head0.layer_idx, num_layers=head0.num_layers, scale=head0.scale,
-                            prior=prior, head_pages=caps)
-        total_pages = self.layer_total_pages(total_pages, layer, floor)
-        layer = dataclasses.replace(layer, budget_pages=total_pages)
-        heads = [dataclasses.replace(x, budget_pages=total_pages * x.num_region_pages // max(1, int(caps.sum())))
-                 for x in heads]
-        scores = self._score_heads(self.scorer, heads, rmax)
-        alloc_scores = scores if self.alloc_scorer is None else self._score_heads(self.alloc_scorer, heads, rmax)
-        return self._allocate_select(layer, scores, alloc_scores, forced, floor, total_pages)
+        return self.plan_rows(fold_heads(heads), [total_pages], len(heads))[0]
+
+    def plan_rows(self, inp: LayerInputs, totals: list[int], heads_per_layer: int) -> list[Selection]:
+        """Several layers at once: rows ``[l * H, (l + 1) * H)`` of ``inp`` are layer ``inp.layer_idx + l``
+        (``H = heads_per_layer``), which keeps ``totals[l]`` head-pages. One scorer call scores every row
+        (scorers work per KV head); allocation and selection run per layer."""
+        h = heads_per_layer
+        n_layers = len(totals)
+        if inp.num_kv_heads != h * n_layers:
+            raise ValueError(f"{inp.num_kv_heads} rows for {n_layers} layers of {h} heads")
+        if inp.region_len == 0:
+            return [Selection([torch.empty(0, dtype=torch.int64) for _ in range(h)]) for _ in range(n_layers)]
+        forced = self.forced_mask(inp)
+        views, floors, layer_totals = [], [], []
+        for layer in range(n_layers):
+            view = _layer_view(inp, layer, h)
+            floor = self._floor(forced[layer * h:(layer + 1) * h], view)
+            views.append(view)
+            floors.append(floor)
+            layer_totals.append(self.layer_total_pages(totals[layer], view, floor))
+        share = torch.tensor([t // h for t in layer_totals], dtype=torch.int64).repeat_interleave(h)
+        inp = dataclasses.replace(inp, budget_pages=share)
+        scores = self._score(self.scorer, inp)
+        alloc_scores = scores if self.alloc_scorer is None else self._score(self.alloc_scorer, inp)
+        out = []
+        for layer, view in enumerate(views):
+            rows = slice(layer * h, (layer + 1) * h)
+            view = dataclasses.replace(view, budget_pages=layer_totals[layer])
+            out.append(self._allocate_select(view, scores[rows], alloc_scores[rows], forced[rows], floors[layer],
+                                             layer_totals[layer]))
+        return out
 
     def _allocate_select(self, inp: LayerInputs, scores: torch.Tensor, alloc_scores: torch.Tensor,
                          forced: torch.Tensor, floor: int, total_pages: int) -> Selection:
@@ -131,13 +129,11 @@ class Policy:
         if bool((pages > caps).any()) or bool((pages < 0).any()):
             raise AssertionError(f"allocator gave pages {pages.tolist()} outside the heads' candidates "
                                  f"{caps.tolist()}")
-        forced2 = forced if forced.dim() == 2 else forced.unsqueeze(0).expand_as(scores)
-        ranked = scores.masked_fill(forced2, float("inf"))
+        ranked = scores.masked_fill(forced, float("inf"))
         if inp.is_ragged:
             # padding never wins over a candidate, whatever the candidate scored
-            valid = inp.candidate_mask()
             finite_min = torch.finfo(ranked.dtype).min
-            ranked = torch.where(valid, ranked.nan_to_num(nan=finite_min, neginf=finite_min),
+            ranked = torch.where(inp.candidate_mask(), ranked.nan_to_num(nan=finite_min, neginf=finite_min),
                                  torch.full_like(ranked, -float("inf")))
         kept = self.selector.select(ranked, pages, inp)
         for hh, k in enumerate(kept):
@@ -156,10 +152,55 @@ class Policy:
                              f"expected {(inp.num_kv_heads, inp.region_len)}")
         return scores
 
-    @classmethod
-    def _score_heads(cls, scorer: Scorer, heads: list[LayerInputs], width: int) -> torch.Tensor:
-        out = torch.full((len(heads), width), -float("inf"))
-        for i, x in enumerate(heads):
-            if x.region_len:
-                out[i, : x.region_len] = cls._score(scorer, x)[0]
-        return out
+
+
+def _past() -> int:
+    from .base import _PAST
+
+    return _PAST
+
+
+def _layer_view(inp: LayerInputs, layer: int, h: int) -> LayerInputs:
+    """Rows of one layer of a multi-layer input (what allocators and selectors see)."""
+    rows = slice(layer * h, (layer + 1) * h)
+
+    def sl(x):
+        return None if x is None else (x[rows] if x.dim() >= 2 or x.shape[0] == inp.num_kv_heads else x)
+
+    pos = inp.positions
+    if pos is not None and pos.dim() == 2:
+        pos = pos[rows]
+    return dataclasses.replace(inp, keys=inp.keys[rows], values=inp.values[rows], positions=pos,
+                               prior=sl(inp.prior), head_pages=None if inp.head_pages is None else inp.head_pages[rows],
+                               valid=None if inp.valid is None else inp.valid[rows], queries=None,
+                               query_positions=None, budget_pages=None, layer_idx=inp.layer_idx + layer)
+
+
+def fold_heads(heads: list[LayerInputs]) -> LayerInputs:
+    """One-KV-head inputs (each with its own candidates, positions and GQA query group) as one padded
+    input: row h holds head h's candidates in ``[0, caps[h] * page)``, padding up to the widest, then the
+    context-only keys after the candidates (e.g. a partial last block), shared by every row."""
+    h0 = heads[0]
+    caps = torch.tensor([x.num_region_pages for x in heads], dtype=torch.int64)
+    rmax = int(caps.max()) * h0.page_size
+    extra = max(x.num_tokens - x.region_len for x in heads)
+    t = rmax + extra
+    n, d = len(heads), h0.head_dim
+    keys = torch.zeros((n, t, d), dtype=h0.keys.dtype)
+    values = torch.zeros((n, t, d), dtype=h0.values.dtype)
+    pos = torch.zeros((n, t), dtype=torch.int64)
+    valid = torch.zeros((n, t), dtype=torch.bool)
+    prior = None if all(x.prior is None for x in heads) else torch.zeros((n, rmax))
+    for i, x in enumerate(heads):
+        r, e = x.region_len, x.num_tokens - x.region_len
+        p = x.key_positions()[0]
+        keys[i, :r], values[i, :r], pos[i, :r], valid[i, :r] = x.keys[0, :r], x.values[0, :r], p[:r], True
+        keys[i, rmax:rmax + e], values[i, rmax:rmax + e] = x.keys[0, r:], x.values[0, r:]
+        pos[i, rmax:rmax + e], valid[i, rmax:rmax + e] = p[r:], True
+        if prior is not None and x.prior is not None:
+            prior[i, :r] = x.prior[0, :r]
+    queries = None if h0.queries is None else torch.cat([x.queries for x in heads])
+    return LayerInputs(keys=keys, values=values, region_len=rmax, page_size=h0.page_size, layer_idx=h0.layer_idx,
+                       num_layers=h0.num_layers, scale=h0.scale, queries=queries,
+                       query_positions=h0.query_positions, window_end=h0.window_end, positions=pos, prior=prior,
+                       head_pages=caps, valid=valid)

@@ -8,6 +8,8 @@ in a decode-time round).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..base import LayerBudget
@@ -28,32 +30,36 @@ def distribute_pages(weights: torch.Tensor, total: int, floor: int, cap: int | t
     in proportion to the weights; heads whose share would pass their cap are set to it and the others
     re-share what is left; finally the integer parts are handed out and the leftover pages go to the
     largest fractional parts. Deterministic: ties go to the lower head index. All-zero weights share
-    equally."""
+    equally. (A handful of heads: plain python arithmetic, no tensor ops.)"""
     h = weights.numel()
-    caps = torch.as_tensor(cap, dtype=torch.int64).expand(h).clone()
-    floor = min(floor, int(caps.min()))
-    total = max(min(total, int(caps.sum())), floor * h)
-    pages = torch.full((h,), floor, dtype=torch.int64)
+    caps = [int(c) for c in torch.as_tensor(cap, dtype=torch.int64).expand(h).tolist()]
+    floor = min(floor, min(caps))
+    total = max(min(total, sum(caps)), floor * h)
+    pages = [floor] * h
     remaining = total - floor * h
-    w = torch.nan_to_num(weights.detach().to(torch.float64).cpu(), nan=0.0, posinf=0.0).clamp_min(0)
-    open_ = pages < caps
-    while remaining > 0 and bool(open_.any()):
-        ww = torch.where(open_, w, torch.zeros_like(w))
-        if float(ww.sum()) <= 0:
-            ww = open_.to(torch.float64)
-        share = ww / ww.sum() * remaining
-        room = (caps - pages).to(torch.float64)
-        over = open_ & (share >= room)
-        if bool(over.any()):
-            remaining -= int((caps - pages)[over].sum())
-            pages[over] = caps[over]
-            open_ &= ~over
+    w = [x if math.isfinite(x) and x > 0 else 0.0 for x in weights.detach().to(torch.float64).cpu().tolist()]
+    open_ = [p < c for p, c in zip(pages, caps)]
+    while remaining > 0 and any(open_):
+        ww = [x if o else 0.0 for x, o in zip(w, open_)]
+        tot = sum(ww)
+        if tot <= 0:
+            ww = [1.0 if o else 0.0 for o in open_]
+            tot = sum(ww)
+        share = [x / tot * remaining for x in ww]
+        over = [o and sh >= c - p for o, sh, c, p in zip(open_, share, caps, pages)]
+        if any(over):
+            for i in range(h):
+                if over[i]:
+                    remaining -= caps[i] - pages[i]
+                    pages[i] = caps[i]
+                    open_[i] = False
             continue
-        base = share.floor().to(torch.int64)
-        pages += base
-        left = remaining - int(base.sum())
-        frac = torch.where(open_, share - base.to(torch.float64), torch.full_like(share, -1.0))
-        order = torch.sort(frac, descending=True, stable=True).indices[:left]
-        pages[order] += 1
+        base = [math.floor(x) for x in share]
+        for i in range(h):
+            pages[i] += base[i]
+        left = remaining - sum(base)
+        frac = [(share[i] - base[i]) if open_[i] else -1.0 for i in range(h)]
+        for i in sorted(range(h), key=lambda i: (-frac[i], i))[:left]:
+            pages[i] += 1
         remaining = 0
-    return pages
+    return torch.tensor(pages, dtype=torch.int64)

@@ -60,26 +60,34 @@ def window_attention(inp: LayerInputs) -> torch.Tensor:
     t = k.shape[1]
     if w == 0:
         return torch.zeros(hq, 0, t)
-    k = k.repeat_interleave(g, dim=0)  # [Hq, T, D]
-    logits = torch.matmul(q, k.transpose(1, 2)) * inp.scale  # [Hq, W, T]
-    kpos = inp.token_positions.view(1, 1, t)
+    logits = torch.matmul(q.reshape(h, g * w, -1), k.transpose(1, 2)).view(hq, w, t) * inp.scale  # [Hq, W, T]
+    kpos = inp.key_positions().repeat_interleave(g, dim=0).unsqueeze(1)  # [Hq, 1, T]; padding: past every query
     logits = logits.masked_fill(kpos > qpos.view(1, w, 1), float("-inf"))
     return torch.softmax(logits, dim=-1)
 
 
 def window_mass(inp: LayerInputs) -> torch.Tensor:
     """Attention mass ``[H, region_len]`` the window queries pay to each candidate: summed over the
-    window, averaged over the query heads of a GQA group. Zeros when the window is empty."""
+    window, averaged over the query heads of a GQA group. Zeros when the window is empty (and on padding)."""
     attn = window_attention(inp)  # [Hq, W, T]
     mass = gqa_mean(attn.sum(dim=1), inp.num_kv_heads)  # [H, T]
     return mass[:, : inp.region_len]
 
 
-def avg_pool(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
-    """1-D average pool along tokens (``[H, N]``), same length, padding excluded from the mean."""
+def avg_pool(scores: torch.Tensor, kernel_size: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """1-D average pool along tokens (``[H, N]``), same length, padding excluded from the mean. ``mask``
+    (``[H, N]`` bool) leaves out the entries that are not tokens, exactly as if each row ended there."""
     if kernel_size <= 1:
         return scores
     n = scores.shape[1]
     pad = kernel_size // 2
-    return F.avg_pool1d(scores.unsqueeze(1), kernel_size, stride=1, padding=pad,
-                        count_include_pad=False).squeeze(1)[:, :n]
+
+    def pool(x):
+        return F.avg_pool1d(x.unsqueeze(1), kernel_size, stride=1, padding=pad,
+                            count_include_pad=False).squeeze(1)[:, :n]
+
+    if mask is None:
+        return pool(scores)
+    m = mask.to(scores.dtype)
+    den = pool(m)
+    return torch.where(den > 0, pool(scores * m) / den.clamp_min(1e-30), torch.zeros_like(scores))

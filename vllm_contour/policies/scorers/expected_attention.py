@@ -47,8 +47,10 @@ class ExpectedAttentionScorer:
             q, _ = window_queries(inp)  # [Hq, W, D]
             if q.shape[1] > 0:
                 return (*_mean_cov(q), "queries")
-        ctx = inp.context_len if inp.context_len > 0 else inp.region_len
-        return (*_mean_cov(inp.keys[:, :ctx].to(torch.float32)), "keys")
+        ctx = inp.context_mask()
+        if not bool(ctx.any()):
+            ctx = inp.key_mask()
+        return (*_mean_cov(inp.keys.to(torch.float32), ctx), "keys")
 
     def score(self, inp: LayerInputs) -> torch.Tensor:
         h, r = inp.num_kv_heads, inp.region_len
@@ -59,19 +61,25 @@ class ExpectedAttentionScorer:
         logit = torch.einsum("srd,sd->sr", cand, mu) * s
         if self.use_covariance:
             logit = logit + 0.5 * s * s * (torch.matmul(cand, cov) * cand).sum(-1)
-        c = min(r, inp.context_len) or r
-        lse = torch.logsumexp(logit[:, :c], dim=-1, keepdim=True)
+        in_ctx = inp.context_mask()[:, :r]
+        if inp.is_ragged:
+            in_ctx = in_ctx & inp.candidate_mask()
+        if not bool(in_ctx.any()):
+            in_ctx = torch.ones_like(in_ctx)
+        in_ctx = in_ctx.repeat_interleave(g, dim=0)
+        lse = torch.logsumexp(logit.masked_fill(~in_ctx, -float("inf")), dim=-1, keepdim=True)
         p = gqa_mean(torch.exp(logit - lse), h)  # [H, R]
         if self.use_vnorm:
             p = (p + self.epsilon) * inp.values[:, :r].to(torch.float32).norm(dim=-1)
         return p
 
 
-def _mean_cov(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per leading index: mean ``[S, D]`` and unbiased covariance ``[S, D, D]`` of ``x [S, N, D]``."""
-    n = x.shape[1]
-    mu = x.mean(dim=1)
-    if n < 2:
-        return mu, torch.zeros(x.shape[0], x.shape[2], x.shape[2])
-    xc = x - mu.unsqueeze(1)
-    return mu, torch.matmul(xc.transpose(1, 2), xc) / (n - 1)
+def _mean_cov(x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per leading index: mean ``[S, D]`` and unbiased covariance ``[S, D, D]`` of ``x [S, N, D]`` over the
+    entries where ``mask [S, N]`` is True (all when None); zero covariance with fewer than 2 entries."""
+    m = torch.ones(x.shape[:2], dtype=x.dtype) if mask is None else mask.to(x.dtype)
+    n = m.sum(dim=1)  # [S]
+    mu = (x * m.unsqueeze(-1)).sum(dim=1) / n.clamp_min(1.0).unsqueeze(-1)
+    xc = (x - mu.unsqueeze(1)) * m.unsqueeze(-1)
+    cov = torch.matmul(xc.transpose(1, 2), xc) / (n - 1).clamp_min(1.0).view(-1, 1, 1)
+    return mu, torch.where((n >= 2).view(-1, 1, 1), cov, torch.zeros_like(cov))

@@ -21,7 +21,11 @@ class KeyDiffScorer:
     needs_queries: bool = False
 
     def score(self, inp: LayerInputs) -> torch.Tensor:
-        ctx = inp.context_len if inp.context_len > 0 else inp.region_len
-        anchor = F.normalize(inp.keys[:, :ctx].to(torch.float32), p=2, dim=-1).mean(dim=1, keepdim=True)
+        ctx = inp.context_mask()
+        if not bool(ctx.any()):
+            ctx = inp.key_mask()
+        ctx = ctx.unsqueeze(-1).to(torch.float32)
+        unit = F.normalize(inp.keys.to(torch.float32), p=2, dim=-1)
+        anchor = (unit * ctx).sum(dim=1, keepdim=True) / ctx.sum(dim=1, keepdim=True).clamp_min(1.0)
         cand = inp.keys[:, : inp.region_len].to(torch.float32)
         return -F.cosine_similarity(cand, anchor, dim=-1)

@@ -28,8 +28,9 @@ class MomentScorer:
     Estimating the evicted set: pass 1 uses the moments of all candidates of the scoring context
     (cheap first estimate). With ``iterate`` and a known layer budget (``LayerInputs.budget_pages``,
     filled in by ``Policy.plan_layer``), pass 2 takes the tokens a uniform top-k of the pass-1 scores
-    would evict (``budget_pages // H`` pages per head; forced tokens are not known to the scorer and
-    are ignored here), recomputes their moments and the residuals, and returns the pass-2 scores.
+    would evict (``LayerInputs.head_budget_pages``: the layer's pages split evenly; forced tokens are not
+    known to the scorer and are ignored here), recomputes their moments and the residuals, and returns the
+    pass-2 scores.
     Cost: two ``O(H * N * D^2)`` moment/residual passes per layer.
     """
 
@@ -45,15 +46,19 @@ class MomentScorer:
         w = self.weight.score(inp).to(torch.float32).nan_to_num(0.0, 0.0, 0.0).clamp_min(0.0)
         keys = inp.keys[:, :r]
         values = inp.values[:, :r]
-        in_ctx = inp.token_positions[:r] < inp.context_end
-        mask = in_ctx.unsqueeze(0).expand(h, r)
+        mask = inp.context_mask()[:, :r]
+        if inp.is_ragged:
+            mask = mask & inp.candidate_mask()
         score = w * residual_norms(keys, values, accumulate(keys, values, mask), inp.scale)
-        if self.iterate and inp.budget_pages is not None:
-            keep = (int(inp.budget_pages) // h) * inp.page_size
-            if 0 < keep < r:
-                order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :keep]
-                evicted = mask.clone()
-                evicted.scatter_(1, order, False)
+        per_head = inp.head_budget_pages() if self.iterate else None
+        if per_head is not None:
+            keep = (per_head * inp.page_size).clamp(0, r)  # [H]
+            if bool(((keep > 0) & (keep < mask.sum(dim=1))).any()):
+                ranked = score.masked_fill(~mask, -float("inf"))
+                order = torch.sort(ranked, dim=1, descending=True, stable=True).indices
+                rank = torch.empty_like(order)
+                rank.scatter_(1, order, torch.arange(r).expand(h, -1).contiguous())
+                evicted = mask & (rank >= keep.view(-1, 1))
                 if bool(evicted.any()):
                     mom = accumulate(keys, values, evicted)
                     score = w * residual_norms(keys, values, mom, inp.scale)

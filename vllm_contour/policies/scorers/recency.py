@@ -18,5 +18,4 @@ class RecencyScorer:
     needs_queries: bool = False
 
     def score(self, inp: LayerInputs) -> torch.Tensor:
-        pos = inp.token_positions[: inp.region_len].to(torch.float32)
-        return pos.unsqueeze(0).expand(inp.num_kv_heads, -1).clone()
+        return inp.key_positions()[:, : inp.region_len].to(torch.float32)

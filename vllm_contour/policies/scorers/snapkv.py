@@ -21,4 +21,4 @@ class SnapKVScorer:
     needs_queries: bool = True
 
     def score(self, inp: LayerInputs) -> torch.Tensor:
-        return avg_pool(window_mass(inp), self.kernel_size)
+        return avg_pool(window_mass(inp), self.kernel_size, inp.candidate_mask() if inp.is_ragged else None)
