@@ -27,6 +27,8 @@ from benchmarks import stamp
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+# in-process engine: the plugin's per-request KV accounting is read from the scheduler
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
 
@@ -64,6 +66,7 @@ def run(args) -> dict:
     llm = LLM(model, dtype="float32", enforce_eager=True, max_model_len=4096, seed=0,
               additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}})
     tok = llm.get_tokenizer()
+    conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
     rnd = random.Random(args.seed)
     trials = []
     for i in range(args.trials):
@@ -92,8 +95,15 @@ def run(args) -> dict:
             sps.append(SamplingParams(max_tokens=10, temperature=0, extra_args=e))
         outs = llm.generate([{"prompt_token_ids": t["ids"]} for t in trials], sps, use_tqdm=False)
         hits = [str(t["key"]) in o.outputs[0].text for t, o in zip(trials, outs)]
+        by_id = {k.split("-")[0]: v for k, v in conn.totals.kv_held.items()} if conn is not None else {}
+        held = [by_id.get(o.request_id.split("-")[0]) for o in outs]
+        held = [h for h in held if h is not None]
         res["results"][name] = {"policy": pol, "budget": budget, "mode": mode, "correct": sum(hits),
-                                "trials": len(hits), "answers": [o.outputs[0].text for o in outs]}
+                                "trials": len(hits), "answers": [o.outputs[0].text for o in outs],
+                                # mean / peak KV tokens per head held in vLLM's pool over each request's life
+                                # (prefill step included), averaged over the trials
+                                "mean_kv_tokens": sum(m for m, _ in held) / len(held) if held else None,
+                                "peak_kv_tokens": sum(p for _, p in held) / len(held) if held else None}
         res["seconds"] = time.time() - t0
         out_json.write_text(json.dumps(stamp(res, getattr(args, "argv", None)), indent=1))
     return res

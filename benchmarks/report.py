@@ -238,9 +238,44 @@ def render_ops(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(out)
 
 
+def render_decode_rounds(runs: list[tuple[str, dict]]) -> str:
+    from benchmarks.decode_rounds import table
+
+    out = []
+    for src, res in runs:
+        a = res["args"]
+        out += [provenance(res, "decode_rounds", src) + f" — {a['requests']} requests × {a['prompt_len']} prompt + "
+                f"{a['gen_len']} generated tokens, {a['policy']} at {a['budget']} tokens per head, pool with room "
+                "for all (no preemption)", "", table(res["summary"]), ""]
+    return "\n".join(out).rstrip("\n")
+
+
+def render_perplexity_long(runs: list[tuple[str, dict]]) -> str:
+    from benchmarks.perplexity import long_rows
+
+    out = []
+    for src, res in runs:
+        lg = res["long"]
+        body = [[r["policy"] or "-", r["budget"] or "-", r["method"], "-" if r["interval"] is None else r["interval"],
+                 r["ppl_ratio"], r["kl_mean"], round(r["mean_held"]), r["peak_held"]] for r in long_rows(lg)]
+        out += [provenance(lg, "perplexity", src) + f" — {lg['passages']} passage(s) × {lg['context_tokens']} context + "
+                f"{lg['continuation_tokens']} continuation tokens, teacher-forced, full-cache perplexity "
+                f"{lg['ppl_full']:.2f}; held = KV tokens per head in whole blocks (mean / peak over the continuation)",
+                "", md_table(["policy", "budget", "method", "T", "ppl ratio", "KL", "mean held", "peak held"], body,
+                             nd=3), ""]
+    return "\n".join(out).rstrip("\n")
+
+
+def render_soak(runs: list[tuple[str, dict]]) -> str:
+    from benchmarks.soak import summary_markdown
+
+    return "\n\n".join(provenance(res, "soak", src) + "\n\n" + summary_markdown(res) for src, res in runs)
+
+
 RENDERERS: dict[str, Callable[[list[tuple[str, dict]]], str]] = {
     "passkey": render_passkey, "serving": render_serving, "audit": render_audit, "ruler": render_ruler,
     "seed_claims": render_seed_claims, "perplexity": render_perplexity, "ops": render_ops,
+    "decode_rounds": render_decode_rounds, "perplexity_long": render_perplexity_long, "soak": render_soak,
 }
 
 
@@ -258,11 +293,13 @@ def render_block(name: str, srcs: list[str], root: Path) -> str:
     return RENDERERS[name](runs)
 
 
-def regenerate(text: str, root: Path) -> tuple[str, list[str]]:
-    """Return (new text, names of the blocks rendered)."""
+def regenerate(text: str, root: Path, only: set[str] | None = None) -> tuple[str, list[str]]:
+    """Return (new text, names of the blocks rendered); with ``only``, the other blocks stay as they are."""
     names: list[str] = []
 
     def sub(m: re.Match) -> str:
+        if only is not None and m.group("name") not in only:
+            return m.group(0)
         srcs = m.group("srcs").split()
         body = render_block(m.group("name"), srcs, root)
         names.append(m.group("name"))
@@ -277,10 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--readme", default=str(ROOT / "README.md"))
     ap.add_argument("--root", default=str(ROOT), help="paths in the markers are relative to this")
     ap.add_argument("--check", action="store_true", help="exit 1 if the README is not up to date")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="render only these blocks (e.g. when the other "
+                                                             "blocks' JSON files are not on this machine)")
     args = ap.parse_args(argv)
     path = Path(args.readme)
     text = path.read_text()
-    new, names = regenerate(text, Path(args.root))
+    new, names = regenerate(text, Path(args.root), set(args.only) if args.only else None)
     if not names:
         print(f"{path}: no <!-- results:NAME FILE... --> blocks", file=sys.stderr)
         return 1

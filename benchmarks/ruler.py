@@ -354,7 +354,8 @@ def run_engine(model: str, samples: list[dict], configs: list[dict], progress: b
             last = time.time()
             print(f"  {done}/{len(meta)} requests done, {steps} steps, {len(sched.running)} running, "
                   f"{time.time() - t0:.0f} s", flush=True)
-    records = {k.split("-")[0]: v for k, v in sched.connector.stats.last.items()} if sched.connector else {}
+    records = {k.split("-")[0]: v for k, v in sched.connector.totals.last.items()} if sched.connector else {}
+    kv_held = {k.split("-")[0]: v for k, v in sched.connector.totals.kv_held.items()} if sched.connector else {}
     rows = []
     for rid, (ci, si) in meta.items():
         cfg, s = configs[ci], samples[si]
@@ -367,7 +368,10 @@ def run_engine(model: str, samples: list[dict], configs: list[dict], progress: b
                      "budget_tokens": resolve_budget(cfg["budget"], s["context_len"]),
                      "pred": pred, "answers": s["answers"],
                      "score": SCORERS[s["metric"]]([pred], [s["answers"]]),
-                     "record": list(rec) if rec else None, "held_blocks": hb, "held_bytes": hb * block_bytes})
+                     "record": list(rec) if rec else None, "held_blocks": hb, "held_bytes": hb * block_bytes,
+                     # the plugin's accounting over the request's life (prefill step included): KV tokens per head
+                     "mean_kv_tokens": kv_held.get(rid, (None, None))[0],
+                     "peak_kv_tokens": kv_held.get(rid, (None, None))[1]})
     info = {"block_size": bs, "block_bytes": block_bytes, "seconds": time.time() - t0,
             "requests": len(meta)}
     return rows, info

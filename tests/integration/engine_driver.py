@@ -288,14 +288,14 @@ def run_parallel(llm, spec, res):
 
 
 def run_greedy_long(llm, spec, res):
-    """8 prompts generating several hundred tokens; the eviction engine is given a budget with budget + T >=
+    """8 prompts generating 256 tokens; the eviction engine is given a budget with budget + T >=
     prompt + generated (no round may run): the tokens must be stock's."""
     from vllm import SamplingParams
 
     tok = llm.get_tokenizer()
     lengths = spec.get("long_lengths", [40, 120, 250, 333, 480, 555, 610, 700])
     prompts = _text_prompts(tok, lengths, 2)
-    sp = SamplingParams(max_tokens=spec.get("long_max_tokens", 300), temperature=0, ignore_eos=True,
+    sp = SamplingParams(max_tokens=spec.get("long_max_tokens", 256), temperature=0, ignore_eos=True,
                         extra_args=spec.get("long_extra_args"))
     engine = llm.llm_engine
     for i, p in enumerate(prompts):

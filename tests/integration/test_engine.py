@@ -21,10 +21,10 @@ def test_budget_above_prompt_gives_stock_tokens(stock, evicting):
 
 
 def test_budget_plus_interval_above_the_generation_gives_stock_tokens(stock, evicting):
-    """8 prompts x 300 generated tokens, budget 1024 + T 64 >= prompt + generated: no round may run and the
+    """8 prompts x 256 generated tokens, budget 1024 + T 64 >= prompt + generated: no round may run and the
     greedy tokens are stock's, token for token."""
     assert evicting["greedy_long_rounds"] == 0
-    assert all(len(t) == 300 for t in stock["greedy_long"])
+    assert all(len(t) == 256 for t in stock["greedy_long"])
     assert evicting["greedy_long"] == stock["greedy_long"]
 
 
@@ -145,7 +145,7 @@ def test_mean_and_peak_kv_accounting_equals_vllms_pool(evicting):
     bs = ev["block_size"]
     for rid, samples in ev["during"].items():
         mean, peak = ev["plugin_kv_held"][rid]
-        assert len(samples) > 700
+        assert len(samples) >= 700  # every step the request ran: its prefill step, then one per token
         assert peak == max(samples) * bs
         assert abs(mean - sum(samples) * bs / len(samples)) < 1e-6
 
