@@ -11,7 +11,8 @@ Pure python: no vLLM import.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 ADDITIONAL_CONFIG_KEY = "kv_eviction"
@@ -66,6 +67,36 @@ def check_policy(field: str, value: Any) -> str:
     return value
 
 
+def check_policy_args(field: str, value: Any, policy: str | None = None) -> dict[str, Any]:
+    """Component knobs: a JSON object, or a JSON string of one (``vllm_xargs`` values are scalars). With
+    ``policy`` given, every knob is checked against that preset (errors name the knob)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as e:
+            raise EvictionConfigError(f"{field} must be a JSON object, got {value!r} ({e.msg})") from None
+    if not isinstance(value, Mapping):
+        raise EvictionConfigError(f"{field} must be a JSON object of policy knobs, got {value!r}")
+    out = dict(value)
+    if policy is not None and policy != "none":
+        from vllm_contour.policies import build_policy
+
+        try:
+            build_policy(policy, out)
+        except ValueError as e:
+            raise EvictionConfigError(f"{field}: {e}") from None
+    return out
+
+
+def preset_moments(policy: str) -> bool:
+    """Whether the preset's method includes MomentKV's corrected inference (the default for it)."""
+    if policy == "none":
+        return False
+    from vllm_contour.policies.registry import preset
+
+    return preset(policy).moment_correction
+
+
 @dataclass(frozen=True)
 class EvictionConfig:
     """Server-wide eviction settings.
@@ -80,7 +111,9 @@ class EvictionConfig:
     sink_tokens: first tokens every head keeps (attention sinks).
     window: observation window (last prompt queries) that query-aware scorers look at.
     moment_correction: keep MomentKV statistics of the evicted tokens (stored in the request's own
-        head-pages and counted against the budget) and correct decode attention with them.
+        head-pages and counted against the budget) and correct decode attention with them; None (default)
+        = what the preset's method does (on for the MomentKV presets, off otherwise).
+    policy_args: knobs of the preset's components (``vllm_contour.policies.policy_knobs``).
     """
 
     policy: str = "none"
@@ -88,8 +121,9 @@ class EvictionConfig:
     recent_window: int = 32
     sink_tokens: int = 4
     window: int = 32
-    moment_correction: bool = False
+    moment_correction: bool | None = None
     decode_interval: int | None = None
+    policy_args: dict[str, Any] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
@@ -118,11 +152,14 @@ class EvictionConfig:
                               ("decode_interval", 0)):
             if name in raw and not (name == "decode_interval" and raw[name] is None):
                 kw[name] = _check_int(f"{source}.{name}", raw[name], minimum)
-        if "moment_correction" in raw:
+        if raw.get("moment_correction") is not None:
             kw["moment_correction"] = _check_bool(f"{source}.moment_correction", raw["moment_correction"])
+        if raw.get("policy_args"):
+            kw["policy_args"] = check_policy_args(f"{source}.policy_args", raw["policy_args"],
+                                                  kw.get("policy", "none"))
         cfg = cls(**kw)
         if not cfg.enabled:
-            extra = sorted(k for k in raw if k != "policy")
+            extra = sorted(k for k in raw if k != "policy" and raw[k] not in (None, {}))
             if extra:
                 raise EvictionConfigError(
                     f"{source}: {', '.join(extra)} given but the eviction policy is 'none' (eviction off); "
@@ -150,6 +187,8 @@ REQUEST_KEYS = {
     "kv_moment_correction": "moment_correction",
     "kv_decode_interval": "decode_interval",
     "kv_observation_window": "window",
+    # component knobs as a JSON string (vLLM's vllm_xargs values are scalars), e.g. '{"lam": 0.3}'
+    "kv_policy_args": "policy_args",
     # Query-agnostic mode: the first kv_context_len prompt tokens are context (compressed before the
     # question is seen); the rest is the question, kept dense and never scored.
     "kv_context_len": "context_len",
@@ -168,6 +207,7 @@ class RequestEviction:
     moment_correction: bool = False
     decode_interval: int | None = None
     context_len: int | None = None
+    policy_args: dict[str, Any] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
@@ -192,12 +232,24 @@ def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
             out[field] = check_policy(key, value)
         elif field == "moment_correction":
             out[field] = _check_bool(key, value)
+        elif field == "policy_args":
+            out[field] = check_policy_args(key, value)
         else:
             out[field] = _check_int(key, value, 1 if field in ("budget", "context_len", "window") else 0)
     return out
 
 
 def resolve_request(server: EvictionConfig, extra_args: Mapping[str, Any] | None) -> RequestEviction:
+    """Server defaults + the request's overrides. The server's knobs belong to the server's policy: a
+    request that picks another policy starts from no knobs; its own ``kv_policy_args`` are checked
+    against the policy it ends up with. ``moment_correction`` unset = the preset's method."""
     kw = server.to_dict()
-    kw.update(request_overrides(extra_args))
+    over = request_overrides(extra_args)
+    if over.get("policy", server.policy) != server.policy:
+        kw["policy_args"] = {}
+    kw.update(over)
+    if "policy_args" in over and kw["policy"] != "none":
+        kw["policy_args"] = check_policy_args("kv_policy_args", over["policy_args"], kw["policy"])
+    if kw.get("moment_correction") is None:
+        kw["moment_correction"] = preset_moments(kw["policy"])
     return RequestEviction(**kw)

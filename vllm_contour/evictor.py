@@ -63,7 +63,7 @@ def plan_round(caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[
     if h != budget.num_kv_heads or bs != budget.block_size:
         raise PlanError(f"budget for {budget.num_kv_heads} heads x page {budget.block_size}, cache has "
                         f"{h} x {bs}")
-    policy = policy or build_policy(params.policy, sink_tokens=params.sink_tokens,
+    policy = policy or build_policy(params.policy, params.policy_args, sink_tokens=params.sink_tokens,
                                     recent_window=params.recent_window)
     n_blocks = (num_tokens + bs - 1) // bs
     if len(block_ids) < n_blocks:

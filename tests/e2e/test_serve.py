@@ -137,7 +137,9 @@ def test_streaming_chat_and_completion(server):
                                          ({"kv_budget": 32}, "floor of 64 tokens"),
                                          ({"kv_budget": 96, "kv_moment_correction": True}, "floor of 128 tokens"),
                                          ({"kv_decode_interval": 40}, "kv_decode_interval"),
-                                         ({"kv_moment_correction": "maybe"}, "kv_moment_correction")])
+                                         ({"kv_moment_correction": "maybe"}, "kv_moment_correction"),
+                                         ({"kv_policy_args": '{"lamda": 1}'}, "lamda"),
+                                         ({"kv_policy": "contour", "kv_policy_args": '{"mix": 3}'}, "allocator.mix")])
 def test_bad_request_args_get_400_and_server_survives(server, xargs, word):
     base, _, _ = server
     code, out = _post(base + "/v1/chat/completions", {"model": "smollm2", "max_tokens": 4,
@@ -182,7 +184,9 @@ def test_help_lists_flags_and_policies():
 DOCUMENTED = [{"kv_policy": "streaming"}, {"kv_budget": 64}, {"kv_recent_window": 16}, {"kv_sink_tokens": 2},
               {"kv_moment_correction": True, "kv_budget": 128}, {"kv_moment_correction": False},
               {"kv_decode_interval": 32}, {"kv_decode_interval": 0}, {"kv_observation_window": 16},
-              {"kv_context_len": 300}, {"kv_policy": "none"}]
+              {"kv_context_len": 300}, {"kv_policy": "none"},
+              {"kv_policy": "contour_diverse", "kv_policy_args": '{"lam": 0.3, "allocator.mix": 0.5}'},
+              {"kv_policy": "moment"}]
 
 
 @pytest.mark.parametrize("xargs", DOCUMENTED, ids=lambda x: ",".join(f"{k}={v}" for k, v in x.items()))

@@ -110,7 +110,8 @@ def evicting(model_dir):
                       ["greedy", "greedy_long", "greedy_evicted", "free_blocks", "concurrency", "preempt_abort",
                        "presets", "decode_bound", "budget_formula", "short_moments"],
                       greedy_extra_args={"kv_budget": 100000}, long_extra_args={"kv_budget": 1024},
-                      free_cases=[[2000, None], [2000, {"kv_policy": "streaming"}], [1000, {"kv_budget": 256}]],
+                      free_cases=[[2000, {"kv_policy": "adakv"}], [2000, {"kv_policy": "streaming"}],
+                                  [1000, {"kv_budget": 256}]],
                       pa_extra_cycle=[{"kv_decode_interval": 32}, {"kv_policy": "none"}],
                       formula_cases=FORMULA_CASES)
 

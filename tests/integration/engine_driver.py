@@ -217,10 +217,13 @@ def run_presets(llm, spec, res):
     ctx = _text_prompts(tok, [420], 21)[0]
     prompt = ctx + question
     engine = llm.llm_engine
+    from vllm_contour.config import preset_moments
+
     variants = []
     for name in policy_names():
-        variants.append((name, {"kv_policy": name, "kv_budget": 96}))
-        variants.append((name + "/agnostic", {"kv_policy": name, "kv_budget": 96, "kv_context_len": len(ctx)}))
+        budget = 128 if preset_moments(name) else 96  # the moment presets' statistics raise the floor to 128
+        variants.append((name, {"kv_policy": name, "kv_budget": budget}))
+        variants.append((name + "/agnostic", {"kv_policy": name, "kv_budget": budget, "kv_context_len": len(ctx)}))
     for name in spec.get("moment_presets", ["snapkv", "knorm"]):
         variants.append((name + "/moments", {"kv_policy": name, "kv_budget": 256, "kv_moment_correction": True}))
     for i, (label, extra) in enumerate(variants):

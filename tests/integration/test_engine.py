@@ -49,7 +49,7 @@ def test_free_blocks_rise_by_the_layout_prediction(stock, evicting):
 
 
 def test_layout_is_ragged_and_sums_over_heads(evicting):
-    case = evicting["free_blocks"][0]  # snapkv (AdaKV allocation)
+    case = evicting["free_blocks"][0]  # adakv (AdaKV allocation on SnapKV scores)
     pages = case["layout"]["pages"]
     h = len(pages[0])
     assert any(len(set(layer)) > 1 for layer in pages), "no layer gives its heads different budgets"

@@ -54,3 +54,31 @@ def test_request_context_len_and_moments():
     with pytest.raises(EvictionConfigError, match="kv_moment_correction"):
         request_overrides({"kv_moment_correction": "maybe"})
     assert EvictionConfig.from_dict({"policy": "knorm", "moment_correction": True}).moment_correction
+
+
+def test_request_values_in_the_form_vllm_delivers_them():
+    """vLLM hands JSON booleans of vllm_xargs over as 1 / 0; its own kv_transfer_params is not ours."""
+    server = EvictionConfig(policy="snapkv")
+    assert resolve_request(server, {"kv_moment_correction": 1}).moment_correction is True
+    assert resolve_request(server, {"kv_moment_correction": 0}).moment_correction is False
+    assert request_overrides({"kv_transfer_params": {"do_remote_prefill": False}}) == {}
+    with pytest.raises(EvictionConfigError, match="kv_moment_correction"):
+        request_overrides({"kv_moment_correction": 2})
+    r = resolve_request(server, {"kv_decode_interval": 0, "kv_observation_window": 16})
+    assert (r.decode_interval, r.window) == (0, 16)
+
+
+def test_policy_args_server_and_per_request():
+    cfg = EvictionConfig.from_dict({"policy": "contour", "policy_args": '{"mix": 0.5}'})
+    assert cfg.policy_args == {"mix": 0.5}
+    assert resolve_request(cfg, None).policy_args == {"mix": 0.5}
+    # a request's own knobs replace the server's; another policy starts from none
+    assert resolve_request(cfg, {"kv_policy_args": '{"power": 2}'}).policy_args == {"power": 2}
+    assert resolve_request(cfg, {"kv_policy": "snapkv"}).policy_args == {}
+    with pytest.raises(EvictionConfigError, match="policy_args.*no knob 'mixx'"):
+        EvictionConfig.from_dict({"policy": "contour", "policy_args": {"mixx": 1}})
+    with pytest.raises(EvictionConfigError, match="kv_policy_args.*allocator.mix"):
+        resolve_request(cfg, {"kv_policy_args": '{"mix": 7}'})
+    with pytest.raises(EvictionConfigError, match="kv_policy_args must be a JSON object"):
+        resolve_request(cfg, {"kv_policy_args": "[1, 2]"})
+    assert EvictionConfig.from_dict(EvictionConfig.from_dict({"policy": "snapkv"}).to_dict()).policy_args == {}

@@ -67,6 +67,9 @@ def test_flag_contradicting_additional_config_is_refused(parser):
     (["--kv-eviction-policy", "snapkv", "--enable-prefix-caching"], ["--enable-prefix-caching"]),
     (["--kv-eviction-policy", "snapkv", "--kv-transfer-config",
       '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}'], ["--kv-transfer-config", "LMCache"]),
+    (["--kv-eviction-policy", "contour", "--kv-policy-args", '{"mix": 9}'], ["policy_args", "allocator.mix"]),
+    (["--kv-eviction-policy", "snapkv", "--kv-policy-args", "not json"], ["policy_args", "JSON object"]),
+    (["--kv-eviction-policy", "snapkv", "--scheduler-cls", "my.Scheduler"], ["--scheduler-cls", "my.Scheduler"]),
 ])
 def test_invalid_settings_fail_naming_the_field(parser, argv, words):
     from vllm_contour.integration.engine_args import prepare_engine_args
@@ -78,12 +81,14 @@ def test_invalid_settings_fail_naming_the_field(parser, argv, words):
 
 
 def test_eviction_wires_connector_prefix_caching_and_block_size(parser):
-    from vllm_contour.integration.engine_args import CONNECTOR_NAME, prepare_engine_args
+    from vllm_contour.integration.engine_args import CONNECTOR_NAME, SCHEDULER_CLS, prepare_engine_args
 
-    ea = engine_args(parser, ["--kv-eviction-policy", "snapkv"])
+    ea = engine_args(parser, ["--kv-eviction-policy", "snapkv", "--kv-policy-args", '{"kernel_size": 5}',
+                              "--kv-decode-interval", "96"])
     cfg = prepare_engine_args(ea)
-    assert cfg.enabled and cfg.budget == 128
-    assert ea.kv_transfer_config.kv_connector == CONNECTOR_NAME
+    assert cfg.enabled and cfg.budget == 128 and cfg.policy_args == {"kernel_size": 5}
+    assert cfg.decode_interval == 96
+    assert ea.kv_transfer_config.kv_connector == CONNECTOR_NAME and ea.scheduler_cls == SCHEDULER_CLS
     assert ea.enable_prefix_caching is False and ea.block_size == 32
     off = engine_args(parser, [])
     prepare_engine_args(off)
@@ -106,8 +111,35 @@ def test_per_request_keys_validated_in_sampling_params(parser):
         with pytest.raises(VLLMValidationError, match=word):
             SamplingParams(extra_args=bad)
 
+    SamplingParams(extra_args={"kv_policy": "contour_diverse", "kv_policy_args": '{"lam": 0.2}'})
+    with pytest.raises(VLLMValidationError, match="no knob 'lam'"):
+        SamplingParams(extra_args={"kv_policy_args": '{"lam": 0.2}'})  # snapkv has no diversity selector
+
     # A server (or offline LLM) with eviction off refuses per-request eviction keys, except kv_policy=none.
     ea.ACTIVE_CONFIG = EvictionConfig()
     with pytest.raises(VLLMValidationError, match="--kv-eviction-policy"):
         SamplingParams(extra_args={"kv_budget": 64})
     SamplingParams(extra_args={"kv_policy": "none"})
+
+
+def test_budget_below_the_floor_or_a_bad_interval_stops_start_up():
+    """Checked once vLLM has built its config (the model's KV heads, head size, dtype and block size are
+    known): the server refuses to start, naming the floor and the flags that set it."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from vllm_contour.config import EvictionConfig
+    from vllm_contour.integration.engine_args import check_against_cache
+
+    vc = NS(model_config=NS(dtype=torch.float32, get_num_kv_heads=lambda pc: 3, get_head_size=lambda: 64),
+            cache_config=NS(block_size=32, cache_dtype="auto"), parallel_config=None)
+    with pytest.raises(EvictionConfigError, match="--kv-budget 40 is below the floor of 64 tokens"):
+        check_against_cache(EvictionConfig(policy="snapkv", budget=40), vc)
+    with pytest.raises(EvictionConfigError, match="--kv-decode-interval 48 must be a multiple of the block size 32"):
+        check_against_cache(EvictionConfig(policy="snapkv", decode_interval=48), vc)
+    # the moment preset includes the corrected inference: its pages raise the floor to 128
+    with pytest.raises(EvictionConfigError, match="floor of 128 tokens.*--kv-moment-correction"):
+        check_against_cache(EvictionConfig(policy="moment", budget=96), vc)
+    check_against_cache(EvictionConfig(policy="moment", budget=96, moment_correction=False), vc)
+    check_against_cache(EvictionConfig(policy="snapkv", budget=64), vc)

@@ -485,17 +485,81 @@ def test_preset_ignores_question_tokens(name):
         assert all(torch.equal(x, y) for x, y in zip(a.kept, b.kept))
 
 
-def test_snapkv_and_adakv_are_identical_and_adaptive():
-    """snapkv keeps AdaKV-style head budgets; adakv is the same policy under another name."""
+def test_snapkv_is_uniform_and_adakv_is_adaptive_on_the_same_scores():
+    """snapkv = SnapKV window scores with the same budget in every head (kvpress's SnapKVPress); adakv = the
+    same scores with AdaKV head budgets: the heads' pages follow where the flattened normalised scores
+    are highest (here the peaked head's peaks win pages)."""
     inp = make_inp(h=2, hq=2, t=200, bs=8, w=8, seed=1)
     # head 0: window queries point at 3 tokens (peaked); head 1: tiny queries (flat attention)
     inp.queries[0] = inp.keys[0, [20, 60, 100]].repeat(3, 1)[:8] * 6
     inp.queries[1] *= 0.01
     a = build_policy("snapkv").plan_layer(inp, 12)
     b = build_policy("adakv").plan_layer(inp, 12)
-    assert all(torch.equal(x, y) for x, y in zip(a.kept, b.kept))
-    assert a.counts()[0] != a.counts()[1]
+    assert a.counts() == [48, 48]
+    assert b.counts()[0] > b.counts()[1] and sum(b.counts()) == 96
     assert build_policy("snapkv").name == "snapkv" and build_policy("adakv").name == "adakv"
+
+
+def test_knobs_reach_the_components_and_bad_ones_name_the_knob():
+    from vllm_contour.policies import policy_knobs
+
+    pol = build_policy("contour_diverse", {"lam": 0.25, "allocator.mix": 0.5, "kernel_size": 3})
+    assert pol.selector.lam == 0.25 and pol.allocator.mix == 0.5 and pol.scorer.kernel_size == 3
+    assert set(policy_knobs("contour_diverse")) == {"scorer.kernel_size", "allocator.mix", "allocator.power",
+                                                    "selector.lam"}
+    assert build_policy("contour_knorm", {"alloc_scorer.kernel_size": 5}).alloc_scorer.kernel_size == 5
+    assert build_policy("pyramidkv", {"beta": 4}).allocator.beta == 4.0
+    with pytest.raises(ValueError, match="has no knob 'lamda'.*selector.lam"):
+        build_policy("contour_diverse", {"lamda": 0.3})
+    with pytest.raises(ValueError, match="allocator.mix"):
+        build_policy("contour", {"mix": 1.5})
+    with pytest.raises(ValueError, match="scorer.kernel_size: expected int"):
+        build_policy("snapkv", {"kernel_size": "wide"})
+    with pytest.raises(ValueError, match="has no knob 'lam'"):
+        build_policy("snapkv", {"lam": 0.5})  # snapkv has no diversity selector
+
+
+def _readme_policy_rows() -> dict[str, dict[str, str]]:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = text.split("<!-- policies -->")[1].split("<!-- /policies -->")[0]
+    rows = {}
+    for line in block.strip().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[cells[0].strip("`")] = {"paper": cells[1], "scorer": cells[2], "allocator": cells[3],
+                                     "selector": cells[4], "moments": cells[5], "cost": cells[6]}
+    return rows
+
+
+def test_readme_policy_table_names_each_presets_components():
+    """Table-driven: every preset's scorer / allocator / selector (and ranking vs allocation scorer, and
+    whether moment correction is part of the method) are what its README row says."""
+    from vllm_contour.policies import PRESETS
+
+    rows = _readme_policy_rows()
+    assert set(rows) == set(PRESETS)
+    for name, p in PRESETS.items():
+        row = rows[name]
+        scorer = p.scorer.__name__ if p.alloc_scorer is None else f"{p.scorer.__name__} (alloc: {p.alloc_scorer.__name__})"
+        assert row["scorer"] == scorer, name
+        assert row["allocator"] == p.allocator.__name__ and row["selector"] == p.selector.__name__, name
+        assert row["moments"] == ("on" if p.moment_correction else "off"), name
+        pol = build_policy(name)
+        assert type(pol.scorer) is p.scorer and type(pol.allocator) is p.allocator
+        assert type(pol.selector) is p.selector
+
+
+def test_moment_preset_defaults_to_the_corrected_inference():
+    from vllm_contour.config import EvictionConfig, resolve_request
+
+    cfg = EvictionConfig.from_dict({"policy": "moment"})
+    assert resolve_request(cfg, None).moment_correction is True
+    assert resolve_request(cfg, {"kv_moment_correction": False}).moment_correction is False
+    assert resolve_request(cfg, {"kv_policy": "snapkv"}).moment_correction is False
+    assert resolve_request(EvictionConfig.from_dict({"policy": "snapkv"}), {"kv_policy": "moment"}).moment_correction
+    assert resolve_request(EvictionConfig.from_dict({"policy": "snapkv", "moment_correction": True}),
+                           None).moment_correction
 
 
 def test_contour_policy_flat_vs_peaked_heads():

@@ -31,6 +31,7 @@ _FLAGS = {
     "kv_observation_window": "window",
     "kv_moment_correction": "moment_correction",
     "kv_decode_interval": "decode_interval",
+    "kv_policy_args": "policy_args",
 }
 
 # Server config seen in this process (API server / offline LLM); used to validate per-request keys.
@@ -69,7 +70,11 @@ def add_eviction_args(parser):
                        action=argparse.BooleanOptionalAction, default=None,
                        help="MomentKV: keep per-head moments of the evicted tokens (their pages count against "
                             "the budget) and add the evicted part's closed-form estimate at decode; works with "
-                            "every policy (default off).")
+                            "every policy (default: on for the moment presets, off otherwise).")
+    group.add_argument("--kv-policy-args", dest="kv_policy_args", type=str, default=None, metavar="JSON",
+                       help="Knobs of the policy's components as a JSON object, e.g. '{\"lam\": 0.3}' "
+                            "(selector.lam, allocator.mix, allocator.power, scorer.kernel_size, ...; a bare name "
+                            "when unambiguous). Per request: kv_policy_args as a JSON string.")
     return parser
 
 

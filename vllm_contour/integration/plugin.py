@@ -26,16 +26,16 @@ def _validate_request_args(extra_args) -> None:
         raise VLLMValidationError(
             "per-request kv_* keys need a server started with --kv-eviction-policy "
             "(eviction is off on this server)", parameter="vllm_xargs")
-    if active is not None and active.enabled and over and engine_args.ACTIVE_SHAPE is not None:
+    if active is not None and active.enabled and over:
         from vllm_contour.budget import request_budget
         from vllm_contour.config import resolve_request
 
-        params = resolve_request(active, extra_args)
-        if params.enabled:
-            try:
+        try:
+            params = resolve_request(active, extra_args)  # knobs checked against the request's policy
+            if params.enabled and engine_args.ACTIVE_SHAPE is not None:
                 request_budget(params, engine_args.ACTIVE_SHAPE, per_request=True)
-            except EvictionConfigError as e:
-                raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
+        except EvictionConfigError as e:
+            raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
 
 
 def _patch_sampling_params() -> None:

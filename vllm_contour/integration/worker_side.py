@@ -121,10 +121,16 @@ class WorkerSide:
         return self._scale
 
     def _policy(self, params):
-        key = (params.policy, params.sink_tokens, params.recent_window)
+        import json
+
+        key = (params.policy, params.sink_tokens, params.recent_window,
+               json.dumps(params.policy_args, sort_keys=True))
         pol = self._policies.get(key)
         if pol is None:
-            pol = self._policies[key] = build_policy(params.policy, sink_tokens=params.sink_tokens,
+            if len(self._policies) > 256:
+                self._policies.clear()
+            pol = self._policies[key] = build_policy(params.policy, params.policy_args,
+                                                     sink_tokens=params.sink_tokens,
                                                      recent_window=params.recent_window)
         return pol
 

@@ -2,12 +2,12 @@
 
 Layout: ``base.py`` (interfaces), ``policy.py`` (Policy = the three + forced tokens), ``scorers/``,
 ``allocators/``, ``selectors/`` (one file per method, each a dataclass citing its paper),
-``registry.py`` (named presets).
+``registry.py`` (named presets: a data table of paper -> components, with their knobs).
 """
 
 from .base import Allocator, LayerBudget, LayerInputs, Scorer, Selection, Selector
 from .policy import Policy
-from .registry import build_policy, policy_help, policy_names, register_preset
+from .registry import PRESETS, Preset, build_policy, policy_help, policy_knobs, policy_names
 
-__all__ = ["Allocator", "LayerBudget", "LayerInputs", "Scorer", "Selection", "Selector", "Policy",
-           "build_policy", "policy_help", "policy_names", "register_preset"]
+__all__ = ["Allocator", "LayerBudget", "LayerInputs", "Scorer", "Selection", "Selector", "Policy", "PRESETS",
+           "Preset", "build_policy", "policy_help", "policy_knobs", "policy_names"]

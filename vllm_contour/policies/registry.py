@@ -1,20 +1,27 @@
-"""Named presets. ``build_policy(name, sink_tokens=..., recent_window=...)`` returns a fresh Policy.
+"""Named presets, as a data table: each row is a paper's method as scorer + allocator + selector.
 
-Presets whose components all have ``needs_queries=False`` (streaming, knorm, keydiff,
-expected_attention) run without captured queries. Every preset ignores the question tokens (those at
-or after ``window_end``) in query-agnostic mode.
+``build_policy(name, sink_tokens=..., recent_window=..., args={...})`` returns a fresh Policy. ``args`` sets
+component knobs (``policy_args``: ``--kv-policy-args``, per request ``kv_policy_args``): a knob is a scalar
+field of a component, named ``scorer.kernel_size`` / ``allocator.mix`` / ``selector.lam`` /
+``alloc_scorer.kernel_size``, or by its bare name when only one component of the preset has it;
+``policy_knobs(name)`` lists them. Unknown knobs and bad values raise ``ValueError`` naming the knob.
 
-ContourKV scorer choice. ``contour`` uses SnapKV window scores for both the head allocation and the
-ranking (the mass signal the allocation is built on). On the small default model (SmolLM2-135M,
-/work/shared/notes/anchors.md) key norm ranks needles far better than window attention, so
-``contour_knorm`` keeps the mass-based allocation (window attention decides HOW MANY pages a head
-gets) but ranks tokens inside each head by key norm (WHICH tokens it keeps); it is the variant to try
-first on that model. ``snapkv`` and ``adakv`` are the same policy (SnapKV scores + AdaKV head budgets).
+Presets whose components all have ``needs_queries=False`` (streaming, knorm, keydiff, expected_attention)
+run without captured queries. Every preset ignores the question tokens (those at or after ``window_end``)
+in query-agnostic mode.
+
+ContourKV scorer choice. ``contour`` uses SnapKV window scores for both the head allocation and the ranking
+(the mass signal the allocation is built on). On the small default model (SmolLM2-135M,
+../shared/notes/anchors.md) key norm ranks needles far better than window attention, so ``contour_knorm``
+keeps the mass-based allocation (window attention decides HOW MANY pages a head gets) but ranks tokens
+inside each head by key norm (WHICH tokens it keeps).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
 
 from .allocators import AdaKVAllocator, ContourAllocator, PyramidAllocator, UniformAllocator
 from .policy import Policy
@@ -22,104 +29,151 @@ from .scorers import (ExpectedAttentionScorer, H2OScorer, KeyDiffScorer, KeyNorm
                       RecencyScorer, SnapKVScorer, TOVAScorer)
 from .selectors import DiversitySelector, TopKSelector
 
-# name -> (one-line help, factory(**knobs) -> Policy)
-_PRESETS: dict[str, tuple[str, Callable[..., Policy]]] = {}
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    paper: str
+    scorer: type
+    allocator: type
+    selector: type = TopKSelector
+    alloc_scorer: type | None = None
+    # the method includes MomentKV's corrected inference (the default of moment_correction for it)
+    moment_correction: bool = False
+    cost: str = "one window-attention pass per round"
+    differs: str = ""  # where this implementation differs from the paper
+
+    @property
+    def help(self) -> str:
+        parts = [f"{self.paper}: {self.scorer.__name__}", self.allocator.__name__, self.selector.__name__]
+        if self.alloc_scorer is not None:
+            parts.insert(2, f"alloc by {self.alloc_scorer.__name__}")
+        return " + ".join(parts) + (" + moment correction" if self.moment_correction else "")
 
 
-def register_preset(name: str, help_text: str):
-    def deco(factory: Callable[..., Policy]):
-        _PRESETS[name] = (help_text, factory)
-        return factory
-    return deco
-
-
-@register_preset("streaming", "StreamingLLM: attention sinks + most recent tokens, same budget per head")
-def _streaming(**kw) -> Policy:
-    return Policy("streaming", RecencyScorer(), UniformAllocator(), TopKSelector(), **kw)
-
-
-@register_preset("snapkv", "SnapKV: observation-window attention (pooled, GQA-averaged), AdaKV head budgets")
-def _snapkv(**kw) -> Policy:
-    return Policy("snapkv", SnapKVScorer(), AdaKVAllocator(), TopKSelector(), **kw)
-
-
-@register_preset("adakv", "AdaKV: SnapKV window scores with AdaKV head budgets (same behaviour as snapkv)")
-def _adakv(**kw) -> Policy:
-    return Policy("adakv", SnapKVScorer(), AdaKVAllocator(), TopKSelector(), **kw)
-
-
-@register_preset("pyramidkv", "PyramidKV: SnapKV window scores, more pages in lower layers (beta=20), "
-                              "uniform within a layer")
-def _pyramidkv(**kw) -> Policy:
-    return Policy("pyramidkv", SnapKVScorer(), PyramidAllocator(), TopKSelector(), **kw)
-
-
-@register_preset("knorm", "Key-norm: keep keys with the lowest L2 norm (query-free), same budget per head")
-def _knorm(**kw) -> Policy:
-    return Policy("knorm", KeyNormScorer(), UniformAllocator(), TopKSelector(), **kw)
-
-
-@register_preset("h2o", "H2O heavy hitters: window-attention mass accumulated over the captured window, "
-                        "same budget per head")
-def _h2o(**kw) -> Policy:
-    return Policy("h2o", H2OScorer(), UniformAllocator(), TopKSelector(), **kw)
-
-
-@register_preset("tova", "TOVA: attention of the last context query, same budget per head")
-def _tova(**kw) -> Policy:
-    return Policy("tova", TOVAScorer(), UniformAllocator(), TopKSelector(), **kw)
-
-
-@register_preset("keydiff", "KeyDiff: keep keys least similar to the mean key direction (query-free), "
-                            "same budget per head")
-def _keydiff(**kw) -> Policy:
-    return Policy("keydiff", KeyDiffScorer(), UniformAllocator(), TopKSelector(), **kw)
-
-
-@register_preset("expected_attention", "Expected Attention: Gaussian model of future queries (window "
-                                       "queries, or key statistics without them) x ||v||, same budget per head")
-def _expected_attention(**kw) -> Policy:
-    return Policy("expected_attention", ExpectedAttentionScorer(), UniformAllocator(), TopKSelector(), **kw)
-
-
-@register_preset("contour", "ContourKV: SnapKV window scores, pages to heads where they add the most "
-                            "attention mass (greedy water-filling)")
-def _contour(**kw) -> Policy:
-    return Policy("contour", SnapKVScorer(), ContourAllocator(), TopKSelector(), **kw)
-
-
-@register_preset("contour_knorm", "ContourKV allocation by window-attention mass, tokens ranked by key norm "
-                                  "within each head")
-def _contour_knorm(**kw) -> Policy:
-    return Policy("contour_knorm", KeyNormScorer(), ContourAllocator(), TopKSelector(),
-                  alloc_scorer=SnapKVScorer(), **kw)
-
-
-@register_preset("contour_diverse", "ContourKV + diversity selector (score - 0.5 x max value-cosine to "
-                                    "kept tokens); slower selection")
-def _contour_diverse(**kw) -> Policy:
-    return Policy("contour_diverse", SnapKVScorer(), ContourAllocator(), DiversitySelector(), **kw)
-
-
-@register_preset("moment", "MomentKV: window attention x moment residual norm, same budget per head")
-def _moment(**kw) -> Policy:
-    return Policy("moment", MomentScorer(), UniformAllocator(), TopKSelector(), **kw)
-
-
-@register_preset("moment_contour", "MomentKV scores with ContourKV head allocation")
-def _moment_contour(**kw) -> Policy:
-    return Policy("moment_contour", MomentScorer(), ContourAllocator(), TopKSelector(), **kw)
+PRESETS: dict[str, Preset] = {p.name: p for p in [
+    Preset("streaming", "StreamingLLM (Xiao et al., ICLR 2024)", RecencyScorer, UniformAllocator,
+           cost="no scoring"),
+    Preset("snapkv", "SnapKV (Li et al., 2024)", SnapKVScorer, UniformAllocator,
+           differs="budget in whole pages per head"),
+    Preset("adakv", "Ada-KV (Feng et al., 2024) on SnapKV scores", SnapKVScorer, AdaKVAllocator,
+           differs="AdaKV's safeguard is a page floor per head"),
+    Preset("pyramidkv", "PyramidKV (Cai et al., 2024)", SnapKVScorer, PyramidAllocator,
+           differs="the largest layer gets the budget (a block holds every layer), not the mean"),
+    Preset("knorm", "Key norm (Devoto et al., EMNLP 2024)", KeyNormScorer, UniformAllocator,
+           cost="no queries; one norm per key"),
+    Preset("h2o", "H2O (Zhang et al., NeurIPS 2023)", H2OScorer, UniformAllocator,
+           differs="mass accumulated over each round's captured window, not every step"),
+    Preset("tova", "TOVA (Oren et al., 2024)", TOVAScorer, UniformAllocator,
+           differs="re-scored every round, not every step"),
+    Preset("keydiff", "KeyDiff (Park et al., 2025)", KeyDiffScorer, UniformAllocator,
+           cost="no queries; one cosine per key"),
+    Preset("expected_attention", "Expected Attention (Devoto et al., 2025)", ExpectedAttentionScorer,
+           UniformAllocator, differs="query statistics from the captured post-RoPE window"),
+    Preset("contour", "ContourKV (this project)", SnapKVScorer, ContourAllocator),
+    Preset("contour_knorm", "ContourKV allocation, key-norm ranking (this project)", KeyNormScorer,
+           ContourAllocator, alloc_scorer=SnapKVScorer),
+    Preset("contour_diverse", "ContourKV + diversity penalty (this project; MMR, Carbonell & Goldstein 1998)",
+           SnapKVScorer, ContourAllocator, DiversitySelector,
+           cost="one window-attention pass + a greedy pick per kept token (slow at large budgets)"),
+    Preset("moment", "MomentKV (this project)", MomentScorer, UniformAllocator, moment_correction=True,
+           cost="two moment/residual passes (O(N D^2)) per round; moment pages inside the budget",
+           differs="the residual puts the key k_j where a query belongs (a proxy)"),
+    Preset("moment_contour", "MomentKV scores with ContourKV allocation (this project)", MomentScorer,
+           ContourAllocator, moment_correction=True,
+           cost="two moment/residual passes (O(N D^2)) per round; moment pages inside the budget"),
+]}
 
 
 def policy_names() -> list[str]:
-    return sorted(_PRESETS)
+    return sorted(PRESETS)
 
 
 def policy_help() -> dict[str, str]:
-    return {name: _PRESETS[name][0] for name in policy_names()}
+    return {name: PRESETS[name].help for name in policy_names()}
 
 
-def build_policy(name: str, **knobs) -> Policy:
-    if name not in _PRESETS:
+def preset(name: str) -> Preset:
+    if name not in PRESETS:
         raise ValueError(f"unknown eviction policy {name!r}; allowed: none, {', '.join(policy_names())}")
-    return _PRESETS[name][1](**knobs)
+    return PRESETS[name]
+
+
+_SCALARS = (bool, int, float, str)
+
+
+def _roles(p: Preset) -> dict[str, type]:
+    roles = {"scorer": p.scorer, "allocator": p.allocator, "selector": p.selector}
+    if p.alloc_scorer is not None:
+        roles["alloc_scorer"] = p.alloc_scorer
+    return roles
+
+
+def _fields(cls: type) -> dict[str, Any]:
+    """Settable scalar knobs of a component: name -> default."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.name == "needs_queries" or f.name == "accumulates" or not f.init:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if isinstance(default, _SCALARS):
+            out[f.name] = default
+    return out
+
+
+def policy_knobs(name: str) -> dict[str, Any]:
+    """``{"role.knob": default}`` for every settable knob of the preset."""
+    return {f"{role}.{k}": v for role, cls in _roles(preset(name)).items() for k, v in _fields(cls).items()}
+
+
+def _coerce(knob: str, value: Any, default: Any) -> Any:
+    if isinstance(default, bool):
+        if isinstance(value, bool) or value in (0, 1):
+            return bool(value)
+    elif isinstance(default, int):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif isinstance(default, float):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif isinstance(default, str) and isinstance(value, str):
+        return value
+    raise ValueError(f"policy knob {knob}: expected {type(default).__name__}, got {value!r}")
+
+
+def resolve_knobs(name: str, args: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """``args`` -> ``{role: {field: value}}``, validated (names, types)."""
+    knobs = policy_knobs(name)
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in (args or {}).items():
+        if not isinstance(key, str):
+            raise ValueError(f"policy knob {key!r}: names are strings")
+        full = key if key in knobs else None
+        if full is None:
+            matches = [k for k in knobs if k.split(".", 1)[1] == key]
+            if len(matches) > 1:
+                raise ValueError(f"policy knob {key!r} is ambiguous for {name}: say {' or '.join(matches)}")
+            full = matches[0] if matches else None
+        if full is None:
+            raise ValueError(f"policy {name} has no knob {key!r}; knobs: {', '.join(knobs) or 'none'}")
+        role, field = full.split(".", 1)
+        out.setdefault(role, {})[field] = _coerce(full, value, knobs[full])
+    return out
+
+
+def build_policy(name: str, args: dict[str, Any] | None = None, **kw) -> Policy:
+    """A fresh Policy for preset ``name``; ``args`` sets component knobs; ``kw`` (sink_tokens,
+    recent_window, description) go to ``Policy``."""
+    p = preset(name)
+    set_ = resolve_knobs(name, args)
+    parts = {}
+    for role, cls in _roles(p).items():
+        try:
+            parts[role] = cls(**set_.get(role, {}))
+        except ValueError as e:
+            knobs = ", ".join(f"{role}.{k}" for k in set_.get(role, {}))
+            raise ValueError(f"policy knob {knobs}: {e}") from None
+    return Policy(name, parts["scorer"], parts["allocator"], parts["selector"],
+                  alloc_scorer=parts.get("alloc_scorer"), **kw)

@@ -31,6 +31,10 @@ class MomentScorer:
     would evict (``LayerInputs.head_budget_pages``: the layer's pages split evenly; forced tokens are not
     known to the scorer and are ignored here), recomputes their moments and the residuals, and returns the
     pass-2 scores.
+    Where this differs from the paper's intent: the residual evaluates the closed form at ``k_j``, i.e. it puts
+    the token's KEY where a future QUERY belongs (the closed form is a function of the query); it is a proxy
+    for "how badly would the moments stand in for this token", not the exact error at future queries.
+
     Cost: two ``O(H * N * D^2)`` moment/residual passes per layer.
     """
 
