@@ -192,6 +192,11 @@ REQUEST_KEYS = {
     # Query-agnostic mode: the first kv_context_len prompt tokens are context (compressed before the
     # question is seen); the rest is the question, kept dense and never scored.
     "kv_context_len": "context_len",
+    # "prefill" (default): the prefill stops at the context boundary, the context is compressed, the rest of
+    # the prompt is computed over the compressed cache (kvpress's protocol). "score_only": the whole prompt
+    # is prefilled over the full context and only the scoring ignores the question (the earlier behaviour,
+    # kept to measure the leak).
+    "kv_agnostic_mode": "agnostic_mode",
 }
 
 
@@ -208,10 +213,14 @@ class RequestEviction:
     decode_interval: int | None = None
     context_len: int | None = None
     policy_args: dict[str, Any] = field(default_factory=dict)
+    agnostic_mode: str = "prefill"
 
     @property
     def enabled(self) -> bool:
         return self.policy != "none"
+
+
+AGNOSTIC_MODES = ("prefill", "score_only")
 
 
 def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -234,6 +243,10 @@ def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
             out[field] = _check_bool(key, value)
         elif field == "policy_args":
             out[field] = check_policy_args(key, value)
+        elif field == "agnostic_mode":
+            if value not in AGNOSTIC_MODES:
+                raise EvictionConfigError(f"{key} must be one of {', '.join(AGNOSTIC_MODES)}, got {value!r}")
+            out[field] = value
         else:
             out[field] = _check_int(key, value, 1 if field in ("budget", "context_len", "window") else 0)
     return out

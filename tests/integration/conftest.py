@@ -83,7 +83,7 @@ def model_dir() -> str:
 def stock(model_dir):
     """Stock vLLM: the plugin is not loaded at all (VLLM_PLUGINS allow-list without it)."""
     return run_engine("stock", dict(BASE_LLM, model=model_dir),
-                      ["greedy", "greedy_long", "free_blocks", "concurrency"],
+                      ["greedy", "greedy_long", "free_blocks", "concurrency", "context_boundary"],
                       env={"VLLM_PLUGINS": "none-allowed"},
                       free_cases=[[2000, None]])
 
@@ -108,12 +108,21 @@ def evicting(model_dir):
     return run_engine("snapkv128", dict(BASE_LLM, model=model_dir,
                                         additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
                       ["greedy", "greedy_long", "greedy_evicted", "free_blocks", "concurrency", "preempt_abort",
-                       "presets", "decode_bound", "budget_formula", "short_moments"],
+                       "presets", "decode_bound", "budget_formula", "short_moments", "context_boundary"],
                       greedy_extra_args={"kv_budget": 100000}, long_extra_args={"kv_budget": 1024},
                       free_cases=[[2000, {"kv_policy": "adakv"}], [2000, {"kv_policy": "streaming"}],
                                   [1000, {"kv_budget": 256}]],
                       pa_extra_cycle=[{"kv_decode_interval": 32}, {"kv_policy": "none"}],
                       formula_cases=FORMULA_CASES)
+
+
+@pytest.fixture(scope="session")
+def chunked(model_dir):
+    """Small prefill chunks (128 tokens per step, shared by several requests): the context and the question
+    each span several chunks."""
+    return run_engine("chunked", dict(BASE_LLM, model=model_dir, max_num_batched_tokens=128,
+                                      additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
+                      ["context_boundary"], cb_context=600, cb_question=90, cb_max_tokens=8)
 
 
 @pytest.fixture(scope="session")

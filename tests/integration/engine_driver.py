@@ -449,7 +449,47 @@ def run_faults(llm, spec, res):
                      "requests_left": len(sched.requests), "worker_requests_left": sorted(st.requests)}
 
 
-SCENARIOS = {"greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
+def run_context_boundary(llm, spec, res):
+    """Query-agnostic prompts (context + question, ``kv_context_len`` = the context): per step, each request's
+    computed tokens (the scheduler's request state) and blocks held (vLLM's pool), whether it is compacted
+    (the worker's layout) and its greedy tokens. Cases: budget >= context (nothing to evict), budget <
+    context in the default mode (the prefill stops at the boundary) and in ``score_only`` mode."""
+    from vllm import SamplingParams
+
+    tok = llm.get_tokenizer()
+    ctx_len, q_len = spec.get("cb_context", 900), spec.get("cb_question", 100)
+    ctxs = _text_prompts(tok, [ctx_len] * 3, 41)
+    questions = _text_prompts(tok, [q_len] * 3, 42)
+    engine = llm.llm_engine
+    sched = _core(llm).scheduler
+    cases = {"keep": {"kv_budget": 4096}, "evict": {"kv_budget": 128}, "score_only": {"kv_budget": 128,
+                                                                                     "kv_agnostic_mode": "score_only"}}
+    labels = []
+    for i, (name, extra) in enumerate(cases.items()):
+        rid = f"C{name}"
+        labels.append(rid)
+        prompt = ctxs[i] + questions[i]
+        engine.add_request(rid, {"prompt_token_ids": prompt},
+                           SamplingParams(max_tokens=spec.get("cb_max_tokens", 24), temperature=0, ignore_eos=True,
+                                          extra_args={**extra, "kv_context_len": ctx_len}))
+    trace: dict[str, list] = {rid: [] for rid in labels}
+
+    def on_step():
+        held = _held(llm)
+        for r in sched.requests.values():
+            key = r.request_id.split("-")[0]
+            if key in trace:
+                lay = _layout_of(key)
+                trace[key].append([r.num_computed_tokens, held.get(key),
+                                   None if lay is None else lay.region_blocks])
+
+    outs = _drain(llm, on_step)
+    res["context_boundary"] = {"context": ctx_len, "question": q_len, "trace": trace,
+                               "tokens": {k: outs.get(k) for k in labels}, "free_end": _free(llm),
+                               "prompts": {k: ctxs[i] + questions[i] for i, k in enumerate(labels)}}
+
+
+SCENARIOS = {"context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
              "short_moments": run_short_moments, "faults": run_faults,
              "parallel": run_parallel, "greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
              "preempt_abort": run_preempt_abort}

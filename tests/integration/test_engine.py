@@ -190,3 +190,40 @@ def test_fault_switch_failures_are_isolated_and_counted(faulty):
         assert f["reasons"][rid] == "length", (rid, f["reasons"][rid])
     assert f["free_end"] == f["num_blocks"] - 1
     assert f["requests_left"] == 0 and f["worker_requests_left"] == []
+
+
+def test_context_boundary_compresses_the_context_before_the_question(stock, evicting):
+    """kv_context_len = C: with a budget >= the context nothing is evicted and the tokens are stock's; with a
+    smaller budget one engine step ends with exactly C tokens computed and the request already compacted
+    (vLLM's pool holds budget blocks + the partial one), and the question's P - C tokens are computed in later
+    steps over the compressed cache; score_only prefills the whole prompt first (the earlier protocol)."""
+    cb = evicting["context_boundary"]
+    c, q = cb["context"], cb["question"]
+    assert cb["tokens"]["Ckeep"] == stock["context_boundary"]["tokens"]["Ckeep"]
+    tr = cb["trace"]["Cevict"]
+    first_compacted = next(i for i, (_, _, e) in enumerate(tr) if e is not None)
+    computed, held, e = tr[first_compacted]
+    assert computed == c and e == c // 32
+    assert held == 128 // 32 + (1 if c % 32 else 0)
+    assert all(row[0] > c for row in tr[first_compacted + 1:])
+    assert tr[-1][0] >= c + q
+    so = cb["trace"]["Cscore_only"]
+    first = next(i for i, (_, _, e) in enumerate(so) if e is not None)
+    assert so[first][0] >= c + q  # compressed only once the whole prompt was computed
+    assert all(v is not None and len(v) == 24 for v in cb["tokens"].values())
+    assert cb["free_end"] == 99
+
+
+def test_context_boundary_with_small_prefill_chunks(chunked):
+    """128-token chunks shared by three requests: the context and the question each span several chunks,
+    every chunk of the evicting request stops at C at the latest, and it is compacted right at C."""
+    cb = chunked["context_boundary"]
+    c = cb["context"]
+    tr = cb["trace"]["Cevict"]
+    computed = [row[0] for row in tr]
+    assert c in computed  # a step ended exactly at the boundary
+    i = computed.index(c)
+    assert tr[i][2] == c // 32 and all(row[2] is None for row in tr[:i])
+    assert sum(1 for x in computed if x < c) >= 3 and sum(1 for x in computed if c < x < c + cb["question"]) >= 1
+    assert all(v is not None and len(v) == 8 for v in cb["tokens"].values())
+    assert cb["free_end"] == 99

@@ -341,3 +341,36 @@ def test_query_agnostic_keeps_question_dense_and_ignores_it():
         for blk in block_ids[:la.kept_blocks]:
             # packed runs hold the same context tokens (question keys differ only in the tail blocks)
             assert torch.equal(ka[blk], kb[blk])
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpp"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_several_query_tokens_on_a_compacted_request_are_causal_ragged_rows(impl, dtype):
+    """A multi-token step on a compacted request (the rest of a prompt after its context was compressed):
+    one ragged row per query token, sharing the request's page table, each row ending at its own token,
+    equals dense causal attention over exactly the kept set + the new tokens (lane borrowing, a partial
+    last page, the new tokens spanning pages)."""
+    if impl not in ops.available("ragged_decode_attention", "cpu"):
+        from vllm_contour.ops import cpu_ext
+
+        cpu_ext.load(jit=True)
+    h, g, bs, d, nb = 3, 3, 16, 32, 80
+    kv, kc, vc = cpu_cache(nb, h, bs, d, dtype=dtype, seed=4)
+    pages = torch.tensor([[3, 1, 2]])
+    kept_blocks = [40, 41]
+    lay = plan_layout(pages, kept_blocks, bs, h, region_blocks=10)
+    tail_blocks = [50, 51, 52]
+    tail_tokens, q_len = 2 * bs + 5, 23  # the last 23 tail tokens are this step's new ones
+    table, seq = decode_page_table(lay, tail_blocks, tail_tokens)
+    rows_t = torch.stack([table[0]] * q_len)  # [R, H, P]
+    rows_s = torch.stack([seq[0] - (q_len - 1 - i) for i in range(q_len)])
+    q = torch.randn(q_len, h * g, d).to(dtype)
+    scale = d ** -0.5
+    out, _ = ops.ragged_decode_attention(q, kc, vc, rows_t, rows_s, scale, impl=impl)
+    for i in range(q_len):
+        for hh in range(h):
+            n = int(seq[0, hh]) - (q_len - 1 - i)
+            ks, vs = _explicit_kv(kc, vc, table[0, hh], n, bs, h)
+            o_ref, _ = dense_attention_ref(q[i, hh * g:(hh + 1) * g], ks[None], vs[None], scale)
+            tol = 1e-4 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(out[i, hh * g:(hh + 1) * g].float(), o_ref, rtol=tol, atol=tol)

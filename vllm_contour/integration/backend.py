@@ -3,8 +3,10 @@
 Registered over ``CPU_ATTN`` by the plugin. With eviction off it hands out vLLM's own builder and impl
 classes unchanged, so the stock path is byte-identical. With eviction on:
 - the builder finds the batch rows of compacted requests (by their first block), gives them a harmless
-  one-token context for the stock kernel and builds their per-layer page tables (kept run ++ dense
-  tail); it also lists the query tokens whose window queries a coming round needs;
+  context for the stock kernel and builds their per-layer page tables (kept run ++ dense tail), one ragged
+  row per query token: a step of several tokens on a compacted request (the rest of a prompt after its
+  context was compressed, a later chunk) is causal because token i's row ends at its own position; it also
+  lists the query tokens whose window queries a coming round needs;
 - the impl runs vLLM's kernel, then overwrites the compacted rows' outputs with the ragged decode op and
   stages the listed queries.
 A compacted row whose page table cannot be built, or whose ragged op fails (and the torch reference after
@@ -109,9 +111,10 @@ class ContourCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             decode_rows = self._decode_rows(rows, cm, qsl, seq_lens)
             if decode_rows is not None:
                 new_seq = cm.seq_lens.clone()
-                # The stock kernel still runs over the whole batch; give compacted rows a harmless
-                # one-token context (slot 0 of their kept block 0) and overwrite their output later.
-                new_seq[decode_rows.rows] = 1
+                # The stock kernel still runs over the whole batch; give compacted rows a harmless context
+                # as long as their query (the first slots of their own blocks) and overwrite their output.
+                q_lens = torch.tensor([qsl[r + 1] - qsl[r] for r in decode_rows.rows.tolist()], dtype=new_seq.dtype)
+                new_seq[decode_rows.rows] = q_lens.to(new_seq.device)
                 cm = cm.replace(seq_lens=new_seq)
         return decode_rows, capture, cm
 
@@ -122,24 +125,24 @@ class ContourCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         for r, req_id in rows:
             try:
                 lay = st.requests[req_id].layout
-                if qsl[r + 1] - qsl[r] != 1:
-                    raise RuntimeError(f"{qsl[r + 1] - qsl[r]} tokens scheduled in one step; only single-token "
-                                       "decode steps are supported on a compacted request")
+                q_len = qsl[r + 1] - qsl[r]
                 e = lay.region_blocks
                 tail_tokens = seq_lens[r] - e * bs
-                if tail_tokens < 0:
-                    raise RuntimeError(f"sequence of {seq_lens[r]} tokens ends before its compacted region")
+                if tail_tokens < q_len:
+                    raise RuntimeError(f"sequence of {seq_lens[r]} tokens with {q_len} new ones reaches into its "
+                                       "compacted region")
                 n_tail = (tail_tokens + bs - 1) // bs
                 tail_blocks = cm.block_table_tensor[r, e : e + n_tail].tolist()
                 t, s = decode_page_table(lay, tail_blocks, tail_tokens)
             except Exception as e:
                 st.forward_errors[req_id] = f"metadata: {e}"
                 continue
-            tables.append(t)
-            lens.append(s)
+            for i in range(q_len):  # token i sees the kept run and the tail up to its own position
+                tables.append(t)
+                lens.append(s - (q_len - 1 - i))
+                tok_idx.append(qsl[r] + i)
+                req_ids.append(req_id)
             row_idx.append(r)
-            tok_idx.append(qsl[r])
-            req_ids.append(req_id)
         if not tables:
             return None
         width = max(t.shape[2] for t in tables)
@@ -150,7 +153,7 @@ class ContourCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             if t.shape[2] < width:  # pad with a valid page id (masked by seq_lens)
                 page_table[:, i, :, t.shape[2]:] = t[:, :, :1]
         moment_pages = has_moments = None
-        lays = [st.requests[req_id].layout for req_id in req_ids]
+        lays = [st.requests[req_id].layout for req_id in req_ids]  # one per query token
         if any(lay.moment_page_ids is not None for lay in lays):
             m = max(lay.moment_page_ids.shape[1] for lay in lays if lay.moment_page_ids is not None)
             moment_pages = torch.zeros((num_layers, len(lays), m), dtype=torch.int32)

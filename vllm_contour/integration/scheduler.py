@@ -7,6 +7,9 @@ connector cannot do alone.
 - A request whose round failed after bytes moved (its cache no longer matches any layout) is preempted and
   recomputed from its tokens, without eviction; its output so far is kept (it was computed before the
   round ran).
+- A prefill chunk of a request with a context boundary (``kv_context_len``, query-agnostic) stops at the
+  boundary, so the context is compressed before the question is computed (``_reserve_prefill_lookahead``
+  is the per-request chunk-size hook vLLM's scheduler calls for running and waiting requests alike).
 Everything else is vLLM's own ``Scheduler``.
 """
 
@@ -27,6 +30,11 @@ logger = init_logger("vllm.contour")
 class ContourScheduler(Scheduler):
     def _contour_side(self):
         return getattr(self.connector, "scheduler_side", None)
+
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        side = self._contour_side()
+        return n if side is None else side.cap_chunk(request, num_computed_tokens, n)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         side = self._contour_side()

@@ -93,16 +93,27 @@ class SchedulerSide:
     def on_alloc(self, request: "Request") -> None:
         """(Re)admitted from the waiting queue: a resumed request re-prefills and starts over."""
         try:
-            t = self.tracked.get(request.request_id)
-            if t is None:
-                t = self.tracked[request.request_id] = Tracked(request, self._resolve(request))
-            t.request = request
-            t.prefill_end = request.num_tokens
-            t.compacted, t.region_blocks, t.retry_at, t.pending, t.nulled = False, 0, 0, None, 0
-            t.prefill_tried = False
+            self._reset(self._track(request), request)
         except Exception as e:  # never into vLLM: this request is served without eviction
             self._fail(request.request_id, "metadata", e)
             self.tracked[request.request_id] = Tracked(request, None)
+
+    def _track(self, request: "Request") -> Tracked:
+        t = self.tracked.get(request.request_id)
+        if t is None:
+            t = self.tracked[request.request_id] = Tracked(request, self._resolve(request))
+            t.prefill_end = request.num_tokens
+            if t.params is not None:
+                self._prepare(t)
+        return t
+
+    @staticmethod
+    def _reset(t: Tracked, request: "Request") -> None:
+        """A (re)admitted request prefills from scratch: nothing compacted, nothing in flight."""
+        t.request = request
+        t.prefill_end = request.num_tokens
+        t.compacted, t.region_blocks, t.retry_at, t.pending, t.nulled = False, 0, 0, None, 0
+        t.prefill_tried = False
 
     def _resolve(self, request: "Request") -> RequestEviction | None:
         extra = request.sampling_params.extra_args if request.sampling_params else None
@@ -135,18 +146,55 @@ class SchedulerSide:
                 self.totals.kv_held.pop(next(iter(self.totals.kv_held)))
         self._recompute.pop(request.request_id, None)
 
+    def _boundary(self, t: Tracked) -> int | None:
+        """The context boundary C where the prefill stops to compress the context (query-agnostic mode,
+        ``agnostic_mode="prefill"``), while that round is still to come; None otherwise."""
+        p = t.params
+        if p is None or not p.context_len or p.agnostic_mode != "prefill" or t.prefill_tried or t.compacted:
+            return None
+        if p.context_len >= t.prefill_end:
+            return None
+        b = t.budget
+        if b is not None and not b.evicts(b.num_kv_heads * (p.context_len // self.block_size)):
+            return None  # the context fits the budget: nothing to compress there, the prefill goes on
+        return p.context_len
+
     def _next_round(self, t: Tracked) -> int | None:
         p, bs, interval = t.params, self.block_size, t.interval
         if t.compacted:
             return t.region_blocks * bs + interval if interval else None
+        c = self._boundary(t)
+        if c is not None:
+            return c
         if interval == 0 or (p.context_len and not t.prefill_tried):
             return None if t.prefill_tried else t.prefill_end
         return max(t.prefill_end, p.budget + interval, t.retry_at)
+
+    def cap_chunk(self, request: "Request", num_computed: int, num_new: int) -> int:
+        """How many of ``num_new`` tokens the request may compute this step: a prefill chunk never runs past
+        its context boundary (the context is compressed before the question is computed)."""
+        try:
+            # called while vLLM schedules, before the request's blocks (and update_state_after_alloc)
+            t = self._track(request)
+            if t.params is None:
+                return num_new
+            if request.num_computed_tokens == 0 and num_computed == 0:
+                t.prefill_end = request.num_tokens
+            c = self._boundary(t)
+        except Exception:
+            return num_new
+        if c is not None and num_computed < c < num_computed + num_new:
+            return c - num_computed
+        return num_new
 
     # ------------------------------------------------------------------ every step
     def build_meta(self, scheduler_output) -> ContourMetadata:
         dropped = set(scheduler_output.finished_req_ids or ())
         dropped |= set(scheduler_output.preempted_req_ids or ())
+        for req_id in scheduler_output.preempted_req_ids or ():
+            t = self.tracked.get(req_id)
+            if t is not None:  # its blocks are gone; it re-prefills from scratch when it comes back
+                self._reset(t, t.request)
         rounds: list[RoundItem] = []
         captures: list[CaptureItem] = []
         scheduled = [r.req_id for r in scheduler_output.scheduled_new_reqs]
@@ -177,7 +225,9 @@ class SchedulerSide:
         w = t.params.window
         if t.needs_queries and start < r and done > r - w:
             captures.append(CaptureItem(req.request_id, blocks[0].block_id, max(start, r - w), min(done, r), w))
-        if done >= r and done >= req.num_tokens and t.pending is None:
+        boundary = self._boundary(t)
+        if done >= r and (done >= req.num_tokens or (boundary is not None and done == boundary)) \
+                and t.pending is None:
             t.seq += 1
             t.pending = t.seq
             if not t.compacted:

@@ -91,11 +91,12 @@ class RequestState:
 
 @dataclass
 class DecodeRows:
-    """Per step: the compacted decode rows of the batch and their per-layer page tables."""
+    """Per step: the batch rows of compacted requests and, one ragged row per query token, their per-layer
+    page tables (a request's tokens share its table; each token's lengths end at its own position)."""
 
-    rows: torch.Tensor  # [R] batch row indices
-    token_idx: torch.Tensor  # [R] query token index of each row
-    req_ids: list[str]
+    rows: torch.Tensor  # [B] batch rows (requests) that are compacted
+    token_idx: torch.Tensor  # [R] query token index of each ragged row
+    req_ids: list[str]  # [R] request of each ragged row
     page_table: torch.Tensor  # [L, R, H, P] int32 head-page ids
     seq_lens: torch.Tensor  # [L, R, H] int32
     moment_pages: torch.Tensor | None = None  # [L, R, M] int32 (rows without moments: any valid page)
