@@ -27,7 +27,7 @@ from benchmarks import fmt_cell as _f, md_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
-BLOCK = re.compile(r"<!-- results:(?P<name>[a-z_]+)(?P<srcs>(?: [^ >]+)*) -->\n(?P<body>.*?)<!-- /results:(?P=name) -->",
+BLOCK = re.compile(r"<!-- results:(?P<name>[a-z_]+(?:/[a-z0-9_]+)?)(?P<srcs>(?: [^ >]+)*) -->\n(?P<body>.*?)<!-- /results:(?P=name) -->",
                    re.S)
 
 
@@ -280,7 +280,9 @@ RENDERERS: dict[str, Callable[[list[tuple[str, dict]]], str]] = {
 
 
 def render_block(name: str, srcs: list[str], root: Path) -> str:
-    if name not in RENDERERS:
+    """``name`` is a renderer, optionally with a ``/tag`` (two blocks of one kind, e.g. ``serving/decode``)."""
+    kind = name.split("/")[0]
+    if kind not in RENDERERS:
         raise ValueError(f"README block 'results:{name}': unknown renderer (known: {', '.join(RENDERERS)})")
     if not srcs:
         raise ValueError(f"README block 'results:{name}' names no JSON file")
@@ -290,7 +292,7 @@ def render_block(name: str, srcs: list[str], root: Path) -> str:
         if not p.is_file():
             raise FileNotFoundError(f"README block 'results:{name}': {s} not found (run its benchmark first)")
         runs.append((s, json.loads(p.read_text())))
-    return RENDERERS[name](runs)
+    return RENDERERS[kind](runs)
 
 
 def regenerate(text: str, root: Path, only: set[str] | None = None) -> tuple[str, list[str]]:
@@ -298,7 +300,7 @@ def regenerate(text: str, root: Path, only: set[str] | None = None) -> tuple[str
     names: list[str] = []
 
     def sub(m: re.Match) -> str:
-        if only is not None and m.group("name") not in only:
+        if only is not None and m.group("name") not in only and m.group("name").split("/")[0] not in only:
             return m.group(0)
         srcs = m.group("srcs").split()
         body = render_block(m.group("name"), srcs, root)
@@ -315,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", default=str(ROOT), help="paths in the markers are relative to this")
     ap.add_argument("--check", action="store_true", help="exit 1 if the README is not up to date")
     ap.add_argument("--only", nargs="+", metavar="NAME", help="render only these blocks (e.g. when the other "
-                                                             "blocks' JSON files are not on this machine)")
+                                                             "blocks' JSON files are not on this machine); "
+                                                             "a kind (serving) or one tagged block (serving/decode)")
     args = ap.parse_args(argv)
     path = Path(args.readme)
     text = path.read_text()

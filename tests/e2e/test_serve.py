@@ -189,13 +189,26 @@ DOCUMENTED = [{"kv_policy": "streaming"}, {"kv_budget": 64}, {"kv_recent_window"
               {"kv_policy": "moment"}]
 
 
-@pytest.mark.parametrize("xargs", DOCUMENTED, ids=lambda x: ",".join(f"{k}={v}" for k, v in x.items()))
-def test_every_documented_key_over_http(server, xargs):
+@pytest.fixture(scope="module")
+def documented_replies(server):
+    """One request per documented key, all in flight together (the server batches them)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     base, _, _ = server
-    body = {"model": "smollm2", "prompt": _story(60), "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-            "vllm_xargs": xargs}
-    code, out = _post(base + "/v1/completions", body)
-    assert code == 200, out
+
+    def send(xargs):
+        return _post(base + "/v1/completions", {"model": "smollm2", "prompt": _story(60), "max_tokens": 16,
+                                                "temperature": 0, "ignore_eos": True, "vllm_xargs": xargs})
+
+    with ThreadPoolExecutor(len(DOCUMENTED)) as pool:
+        return list(pool.map(send, DOCUMENTED))
+
+
+@pytest.mark.parametrize("i", range(len(DOCUMENTED)),
+                         ids=[",".join(f"{k}={v}" for k, v in x.items()) for x in DOCUMENTED])
+def test_every_documented_key_over_http(documented_replies, i):
+    code, out = documented_replies[i]
+    assert code == 200, (DOCUMENTED[i], out)
     assert out["usage"]["completion_tokens"] == 16 and out["choices"][0]["finish_reason"] == "length"
 
 
@@ -206,10 +219,10 @@ def test_vllms_own_kv_transfer_params_pass(server):
     assert code == 200, out
 
 
-def _soak(base, seed, moments):
+def _soak(base, seed, moments, n=62):
     from benchmarks.soak import make_plan, run_load, settle
 
-    plan = make_plan(62, seed=seed, max_tokens=(4, 32), invalid_share=0.15, cancel_share=0.1, abort_share=0.05,
+    plan = make_plan(n, seed=seed, max_tokens=(4, 32), invalid_share=0.15, cancel_share=0.1, abort_share=0.05,
                      moments=moments)
     t0 = time.time()
     res = run_load(base, plan, clients=4, timeout=300)
@@ -245,7 +258,7 @@ def test_soak_mixed_load_with_the_fault_switch(server):
 
 def test_soak_with_server_wide_moment_correction(moment_server):
     base, log, _ = moment_server
-    plan, res, idle, wall = _soak(base, seed=2, moments=True)
+    plan, res, idle, wall = _soak(base, seed=2, moments=True, n=40)
     _check_soak(plan, res, idle, wall)
     assert idle["failures_by_reason"] == {} or sum(idle["failures_by_reason"].values()) == 0, idle
     assert "Traceback" not in log.read_text()

@@ -108,7 +108,7 @@ def evicting(model_dir):
     return run_engine("snapkv128", dict(BASE_LLM, model=model_dir,
                                         additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
                       ["greedy", "greedy_long", "greedy_evicted", "free_blocks", "concurrency", "preempt_abort",
-                       "presets", "decode_bound", "budget_formula", "short_moments", "context_boundary"],
+                       "presets", "decode_bound", "budget_formula", "short_moments", "context_boundary", "protocol"],
                       greedy_extra_args={"kv_budget": 100000}, long_extra_args={"kv_budget": 1024},
                       free_cases=[[2000, {"kv_policy": "adakv"}], [2000, {"kv_policy": "streaming"}],
                                   [1000, {"kv_budget": 256}]],
@@ -122,7 +122,7 @@ def chunked(model_dir):
     each span several chunks."""
     return run_engine("chunked", dict(BASE_LLM, model=model_dir, max_num_batched_tokens=128,
                                       additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
-                      ["context_boundary"], cb_context=600, cb_question=90, cb_max_tokens=8)
+                      ["context_boundary"], cb_context=600, cb_question=300, cb_max_tokens=8)
 
 
 @pytest.fixture(scope="session")

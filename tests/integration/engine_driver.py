@@ -127,8 +127,8 @@ def run_concurrency(llm, spec, res):
     from vllm import SamplingParams
 
     tok = llm.get_tokenizer()
-    n_req = spec.get("conc_requests", 12)
-    prompts = _text_prompts(tok, [spec.get("conc_prompt_tokens", 600)] * n_req, 3)
+    n_req = spec.get("conc_requests", 8)
+    prompts = _text_prompts(tok, [spec.get("conc_prompt_tokens", 500)] * n_req, 3)
     sp = SamplingParams(max_tokens=spec.get("conc_max_tokens", 16), temperature=0, ignore_eos=True)
     engine = llm.llm_engine
     sched = _core(llm).scheduler
@@ -291,12 +291,13 @@ def run_parallel(llm, spec, res):
 
 
 def run_greedy_long(llm, spec, res):
-    """8 prompts generating 256 tokens; the eviction engine is given a budget with budget + T >=
-    prompt + generated (no round may run): the tokens must be stock's."""
+    """5 prompts generating 256 tokens each, together (they fit the 100-block pool: no preemption); the
+    eviction engine is given a budget with budget + T >= prompt + generated (no round may run): the tokens
+    must be stock's."""
     from vllm import SamplingParams
 
     tok = llm.get_tokenizer()
-    lengths = spec.get("long_lengths", [40, 120, 250, 333, 480, 555, 610, 700])
+    lengths = spec.get("long_lengths", [40, 120, 333, 555, 700])
     prompts = _text_prompts(tok, lengths, 2)
     sp = SamplingParams(max_tokens=spec.get("long_max_tokens", 256), temperature=0, ignore_eos=True,
                         extra_args=spec.get("long_extra_args"))
@@ -489,7 +490,41 @@ def run_context_boundary(llm, spec, res):
                                "prompts": {k: ctxs[i] + questions[i] for i, k in enumerate(labels)}}
 
 
-SCENARIOS = {"context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
+def run_protocol(llm, spec, res):
+    """Query-agnostic protocol check material: a context + a short question, kv_context_len = the context,
+    in the default mode and in score_only mode (short enough that no round runs after the context's): the
+    positions each head kept at the context round, and the greedy tokens with their log-probabilities."""
+    from vllm import SamplingParams
+
+    tok = llm.get_tokenizer()
+    ctx = _text_prompts(tok, [spec.get("proto_context", 800)], 51)[0]
+    question = tok.encode(" Question: what did the people keep records of? Answer:", add_special_tokens=False)
+    prompt = ctx + question
+    engine = llm.llm_engine
+    out = {"context": ctx, "question": question}
+    for mode in ("prefill", "score_only"):
+        rid = f"proto{mode}"
+        extra = {"kv_budget": 128, "kv_context_len": len(ctx), "kv_agnostic_mode": mode, "kv_decode_interval": 64}
+        engine.add_request(rid, {"prompt_token_ids": prompt},
+                           SamplingParams(max_tokens=spec.get("proto_max_tokens", 10), temperature=0,
+                                          ignore_eos=True, logprobs=1, extra_args=extra))
+        kept, region = None, None
+        toks, lps = [], []
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    toks = list(o.outputs[0].token_ids)
+                    lps = [float(d[t].logprob) for t, d in zip(toks, o.outputs[0].logprobs)]
+            lay = _layout_of(rid)
+            if lay is not None and kept is None:
+                region = lay.region_blocks
+                kept = [[lay.kept_positions(layer, h).tolist() for h in range(lay.num_kv_heads)]
+                        for layer in range(lay.num_layers)]
+        out[mode] = {"tokens": toks, "logprobs": lps, "kept": kept, "region_blocks": region}
+    res["protocol"] = out
+
+
+SCENARIOS = {"protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
              "short_moments": run_short_moments, "faults": run_faults,
              "parallel": run_parallel, "greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
              "preempt_abort": run_preempt_abort}

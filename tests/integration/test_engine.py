@@ -21,7 +21,7 @@ def test_budget_above_prompt_gives_stock_tokens(stock, evicting):
 
 
 def test_budget_plus_interval_above_the_generation_gives_stock_tokens(stock, evicting):
-    """8 prompts x 256 generated tokens, budget 1024 + T 64 >= prompt + generated: no round may run and the
+    """5 prompts x 256 generated tokens, budget 1024 + T 64 >= prompt + generated: no round may run and the
     greedy tokens are stock's, token for token."""
     assert evicting["greedy_long_rounds"] == 0
     assert all(len(t) == 256 for t in stock["greedy_long"])
@@ -227,3 +227,39 @@ def test_context_boundary_with_small_prefill_chunks(chunked):
     assert sum(1 for x in computed if x < c) >= 3 and sum(1 for x in computed if c < x < c + cb["question"]) >= 1
     assert all(v is not None and len(v) == 8 for v in cb["tokens"].values())
     assert cb["free_end"] == 99
+
+
+def test_query_agnostic_protocol_matches_the_pruned_cache_oracle(evicting, model_dir):
+    """The oracle (HF transformers, fp32): prefill the context densely, keep exactly the positions the plugin
+    kept in each (layer, KV head) (plus the context's partial last block), drop the rest, then teacher-force
+    the question and vLLM's own answer over what is left. In the default mode vLLM's answer log-probabilities
+    match it (the question was computed over the compressed cache); in score_only mode they deviate (the
+    question saw the whole context: the leak)."""
+    import torch
+
+    from benchmarks.perplexity import capture_context, forward_masked, load_model
+
+    pr = evicting["protocol"]
+    ctx, question = pr["context"], pr["question"]
+    c = len(ctx)
+    model, _ = load_model(model_dir)
+    ids = torch.tensor(ctx + question)
+    _, prefix, _ = capture_context(model, ids, c, 32)
+    diffs = {}
+    for mode in ("prefill", "score_only"):
+        run = pr[mode]
+        assert run["kept"] is not None and run["region_blocks"] == c // 32, mode
+        keep = {}
+        for layer, heads in enumerate(run["kept"]):
+            m = torch.zeros(len(heads), c, dtype=torch.bool)
+            for h, pos in enumerate(heads):
+                m[h, pos] = True
+            m[:, run["region_blocks"] * 32:] = True  # the partial last block stays dense
+            keep[layer] = m
+        cont = torch.tensor(question + run["tokens"][:-1])
+        logits = forward_masked(model, cont, prefix, keep)
+        lp = torch.log_softmax(logits[len(question) - 1:].double(), dim=-1)
+        oracle = lp.gather(1, torch.tensor(run["tokens"]).view(-1, 1)).squeeze(1)
+        diffs[mode] = (oracle - torch.tensor(run["logprobs"], dtype=torch.float64)).abs().max().item()
+    assert diffs["prefill"] < 2e-3, diffs
+    assert diffs["score_only"] > 10 * diffs["prefill"] and diffs["score_only"] > 1e-2, diffs

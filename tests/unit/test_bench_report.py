@@ -85,3 +85,16 @@ def test_ruler_table_uses_the_summary_means():
 
 def test_stamp_keeps_existing_keys():
     assert stamp({"date": "d", "argv": ["x"]}, ["y"]) == {"date": "d", "argv": ["x"]}
+
+
+def test_tagged_blocks_of_one_kind_render_separately(tmp_path):
+    """Two passkey blocks (``passkey`` and ``passkey/decode``): ``--only passkey/decode`` renders only the tagged
+    one, ``--only passkey`` both; the untouched block keeps its text even if its file is missing."""
+    src = _write(tmp_path, "r/passkey.json", _passkey())
+    text = (f"<!-- results:passkey missing.json -->\nkept\n<!-- /results:passkey -->\n"
+            f"<!-- results:passkey/decode {src} -->\nold\n<!-- /results:passkey/decode -->\n")
+    new, names = report.regenerate(text, tmp_path, {"passkey/decode"})
+    assert names == ["passkey/decode"] and "kept" in new and "old" not in new
+    assert "| knorm | 1 | 2 | 3 |" in new
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        report.regenerate(text, tmp_path, {"passkey"})

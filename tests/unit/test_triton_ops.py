@@ -96,6 +96,23 @@ def test_ragged_decode_empty_list_and_int64_tables():
         torch.testing.assert_close(got_l, want_l, rtol=1e-5, atol=1e-5)
 
 
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_prefill_rows(dtype):
+    """Several query tokens of one compacted request: one row per token sharing the request's page table,
+    each row's lengths ending at its own token (causal among the new tokens), as the backend builds them."""
+    _, k, v = make_cache("cpu_keyT", NB, H, BS, D, dtype, seed=9)
+    pt, sl = decode_case(10, NB, H, BS, t_rows=1, long_tail=True)
+    q_len = 7
+    rows_t = pt.expand(q_len, -1, -1).contiguous()
+    rows_s = torch.stack([sl[0] - (q_len - 1 - i) for i in range(q_len)])
+    q = torch.randn(q_len, H * G, D, generator=torch.Generator().manual_seed(11)).to(dtype)
+    want_o, want_l = ragged_decode_attention_ref(q, k, v, rows_t, rows_s, 0.2)
+    got_o, got_l = triton_ops.ragged_decode_attention(q, k, v, rows_t, rows_s, 0.2, block_n=8)
+    torch.testing.assert_close(got_o.float(), want_o.float(), **tol(dtype))
+    torch.testing.assert_close(got_l, want_l, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.skipif(INTERPRET, reason="runs in the parent session")
 def test_interpreter_cases():
     """Every interpreter case above, in a child pytest that starts with TRITON_INTERPRET=1."""
@@ -125,4 +142,5 @@ def test_aot_compile_for_sm90():
 
 
 if not INTERPRET:  # the parent session only launches the child: keep its report free of placeholder skips
-    del test_compact, test_accumulate_moments, test_ragged_decode, test_ragged_decode_empty_list_and_int64_tables
+    del test_compact, test_accumulate_moments, test_ragged_decode, test_ragged_decode_empty_list_and_int64_tables, \
+        test_ragged_prefill_rows
