@@ -5,11 +5,16 @@ and budget through ``SamplingParams.extra_args`` (``kv_policy="none"`` = full ca
 tokens per KV head per layer and as fractions of the context. Writes ``passkey.json`` and ``passkey.png``.
 
     python -m benchmarks.passkey [--quick] [--out DIR] [--policies streaming,snapkv] [--budgets 128,512,1024]
-                                 [--modes aware,agnostic]
+                                 [--modes aware,agnostic,score_only]
 
 Modes: ``aware`` = the policy scores the whole prompt, question included (common practice); ``agnostic`` =
-``kv_context_len`` marks where the question starts, scoring sees only the context and the question stays
-dense. The JSON is rewritten after every configuration, and ``--resume`` skips configurations already in it
+``kv_context_len`` marks where the question starts: the prefill stops there, the context is compressed
+without seeing the question, and the question is computed over the compressed cache (kvpress's protocol);
+``score_only`` = the same boundary, but the whole prompt is prefilled over the full context and only the
+scoring ignores the question (``kv_agnostic_mode="score_only"``, the plugin's protocol before 2026-12-01:
+the question's keys, values and the first answer token saw the evicted tokens). Each configuration records
+its wall time (``seconds``: the same prompts in every configuration, so agnostic / score_only is the cost of
+computing the question over the compressed cache instead of densely). The JSON is rewritten after every configuration, and ``--resume`` skips configurations already in it
 (same prompts: same seed, trials, context and model).
 """
 
@@ -91,15 +96,22 @@ def run(args) -> dict:
         extra = {"kv_policy": pol} if budget is None else {"kv_policy": pol, "kv_budget": budget}
         sps = []
         for t in trials:
-            e = dict(extra, kv_context_len=t["context_len"]) if mode == "agnostic" and budget else extra
+            e = extra
+            if mode != "aware" and budget:
+                e = dict(extra, kv_context_len=t["context_len"])
+                if mode == "score_only":
+                    e["kv_agnostic_mode"] = "score_only"
             sps.append(SamplingParams(max_tokens=10, temperature=0, extra_args=e))
+        t_cfg = time.time()
         outs = llm.generate([{"prompt_token_ids": t["ids"]} for t in trials], sps, use_tqdm=False)
+        t_cfg = time.time() - t_cfg
         hits = [str(t["key"]) in o.outputs[0].text for t, o in zip(trials, outs)]
         by_id = {k.split("-")[0]: v for k, v in conn.totals.kv_held.items()} if conn is not None else {}
         held = [by_id.get(o.request_id.split("-")[0]) for o in outs]
         held = [h for h in held if h is not None]
         res["results"][name] = {"policy": pol, "budget": budget, "mode": mode, "correct": sum(hits),
                                 "trials": len(hits), "answers": [o.outputs[0].text for o in outs],
+                                "seconds": t_cfg,
                                 # mean / peak KV tokens per head held in vLLM's pool over each request's life
                                 # (prefill step included), averaged over the trials
                                 "mean_kv_tokens": sum(m for m, _ in held) / len(held) if held else None,
@@ -109,6 +121,10 @@ def run(args) -> dict:
     return res
 
 
+# mode -> suffix of the configuration names
+MODES = {"aware": "", "agnostic": "/agn", "score_only": "/so"}
+
+
 def config_list(args, n_tokens: int) -> list[tuple[str, str, int | None, str]]:
     """(name, policy, budget per head or None for the full cache, mode) for every configuration."""
     configs = [("full", "none", None, "aware")]
@@ -116,11 +132,11 @@ def config_list(args, n_tokens: int) -> list[tuple[str, str, int | None, str]]:
     fracs = [float(f) for f in args.fractions.split(",")] if args.fractions else []
     modes = [m.strip() for m in args.modes.split(",")]
     for m in modes:
-        if m not in ("aware", "agnostic"):
-            raise SystemExit(f"--modes: unknown mode {m!r} (aware, agnostic)")
+        if m not in MODES:
+            raise SystemExit(f"--modes: unknown mode {m!r} ({', '.join(MODES)})")
     for pol in args.policies.split(","):
         for mode in modes:
-            suffix = "" if mode == "aware" else "/agn"
+            suffix = MODES[mode]
             for b in budgets:
                 configs.append((f"{pol}@{b}{suffix}", pol, b, mode))
             for f in fracs:
@@ -196,7 +212,7 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    ap.add_argument("--modes", default="aware", help="aware,agnostic (see above)")
+    ap.add_argument("--modes", default="aware", help="aware,agnostic,score_only (see above)")
     ap.add_argument("--resume", action="store_true", help="keep configurations already in the JSON")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

@@ -46,6 +46,10 @@ def provenance(res: dict, name: str, src: str) -> str:
 # Renderers: (list of (source path, parsed JSON)) -> markdown
 # ---------------------------------------------------------------------------------------------------
 
+# passkey / RULER mode -> column suffix
+MODE_COLS = {"aware": "", "agnostic": " agn", "score_only": " so"}
+
+
 def render_passkey(runs: list[tuple[str, dict]]) -> str:
     out = []
     for src, res in runs:
@@ -55,16 +59,25 @@ def render_passkey(runs: list[tuple[str, dict]]) -> str:
             if r["budget"] is None:
                 rows.setdefault("full cache", {})["*"] = r["correct"]
                 continue
-            col = f"{r['budget']}{' agn' if r['mode'] == 'agnostic' else ''}"
+            col = f"{r['budget']}{MODE_COLS.get(r['mode'], '')}"
             if col not in cols:
                 cols.append(col)
             rows.setdefault(r["policy"], {})[col] = r["correct"]
-        cols.sort(key=lambda c: (" agn" in c, int(c.split()[0])))
+        order = list(MODE_COLS.values())
+        cols.sort(key=lambda c: (order.index(c[len(c.split()[0]):]), int(c.split()[0])))
         body = [[p] + [cells.get(c, cells.get("*", "-")) for c in cols] for p, cells in rows.items()]
         out += ([""] if out else []) + [provenance(res, "passkey", src) + f" — {res['prompt_tokens']} prompt tokens, correct out of "
-                f"{res['trials']}; columns are tokens per KV head, `agn` = query-agnostic", "",
+                f"{res['trials']}; columns are tokens per KV head, `agn` = query-agnostic (the context "
+                f"compressed before the question is computed), `so` = score_only (the question is only kept out of "
+                f"the scoring)", "",
                 md_table(["policy"] + cols, body)]
     return "\n".join(out)
+
+
+def _span(vals: list[float], nd: int) -> str:
+    """'a–b' over the values, or one value when they agree at ``nd`` decimals."""
+    lo, hi = f"{min(vals):.{nd}f}", f"{max(vals):.{nd}f}"
+    return lo if lo == hi else f"{lo}–{hi}"
 
 
 def render_serving(runs: list[tuple[str, dict]]) -> str:
@@ -103,8 +116,11 @@ def render_serving(runs: list[tuple[str, dict]]) -> str:
         pct = [o["overhead_pct_of_wall"] for o in wall]
         ms = [o["ms_per_round"] for o in wall if o.get("ms_per_round") is not None]
         rpr = [o["rounds_per_request"] for o in wall if o.get("rounds_per_request") is not None]
-        out += [f"Eviction rounds: {min(rpr):.1f}–{max(rpr):.1f} per request, {min(ms):.0f}–{max(ms):.0f} ms each, "
-                f"{min(pct):.1f}–{max(pct):.1f} % of the run's wall time (from the plugin's own counters).", ""]
+        kv = [o["mean_kv_tokens"] for o in wall if o.get("mean_kv_tokens") is not None]
+        held = (f" A request held {_span(kv, 0)} KV tokens per head on average over its life (vLLM's pool)."
+                if kv else "")
+        out += [f"Eviction rounds: {_span(rpr, 1)} per request, {_span(ms, 0)} ms each, {_span(pct, 1)} % of the "
+                f"run's wall time (from the plugin's own counters).{held}", ""]
     elif over_rows:
         pct = [o["overhead_pct_of_prefill"] for o in over_rows if o.get("overhead_pct_of_prefill") is not None]
         pol = [o["policy_ms_per_request"] for o in over_rows if o.get("policy_ms_per_request") is not None]

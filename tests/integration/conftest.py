@@ -108,7 +108,8 @@ def evicting(model_dir):
     return run_engine("snapkv128", dict(BASE_LLM, model=model_dir,
                                         additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
                       ["greedy", "greedy_long", "greedy_evicted", "free_blocks", "concurrency", "preempt_abort",
-                       "presets", "decode_bound", "budget_formula", "short_moments", "context_boundary", "protocol"],
+                       "presets", "decode_bound", "budget_formula", "short_moments", "context_boundary", "protocol",
+                       "spec_decode"],
                       greedy_extra_args={"kv_budget": 100000}, long_extra_args={"kv_budget": 1024},
                       free_cases=[[2000, {"kv_policy": "adakv"}], [2000, {"kv_policy": "streaming"}],
                                   [1000, {"kv_budget": 256}]],
@@ -123,6 +124,16 @@ def chunked(model_dir):
     return run_engine("chunked", dict(BASE_LLM, model=model_dir, max_num_batched_tokens=128,
                                       additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
                       ["context_boundary"], cb_context=600, cb_question=300, cb_max_tokens=8)
+
+
+@pytest.fixture(scope="session")
+def ngram(model_dir):
+    """n-gram speculative decoding (3 drafts per step) with eviction: drafts on compacted requests."""
+    return run_engine("ngram", dict(BASE_LLM, model=model_dir,
+                                    speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                        "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+                                    additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
+                      ["spec_decode"])
 
 
 @pytest.fixture(scope="session")

@@ -524,7 +524,42 @@ def run_protocol(llm, spec, res):
     res["protocol"] = out
 
 
-SCENARIOS = {"protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
+def run_spec_decode(llm, spec, res):
+    """Draft tokens on compacted requests. In the ``ngram`` engine (n-gram speculative decoding) every decode
+    step of a request computes its next token plus up to k drafts; the evicting engine without drafts runs
+    the same requests for the reference tokens. SA: a repetitive 704-token prompt compressed once at its end
+    (T = 0), 160 generated tokens, so every decode step is a multi-token step on a compacted request. SB: an
+    80-token prompt generating 400 tokens with rounds every 64 tokens at budget 128, so rounds run between
+    verified drafts. Recorded: the tokens, the blocks each holds after every step (vLLM's pool), the steps
+    each ran, rounds and failures."""
+    from vllm import SamplingParams
+
+    tok = llm.get_tokenizer()
+    base = _text_prompts(tok, [128], 61)[0]
+    cases = {"SA": ((base * 6)[:704], 160, {"kv_budget": 128, "kv_decode_interval": 0}),
+             "SB": ((base * 2)[:80], 400, {"kv_budget": 128, "kv_decode_interval": 64})}
+    engine = llm.llm_engine
+    conn = _core(llm).scheduler.connector
+    rounds0, fail0 = conn.totals.rounds, sum(conn.totals.failures.values())
+    for rid, (p, n, extra) in cases.items():
+        engine.add_request(rid, {"prompt_token_ids": p},
+                           SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, extra_args=extra))
+    held: dict[str, list[int]] = {rid: [] for rid in cases}
+
+    def on_step():
+        h = _held(llm)
+        for rid in cases:
+            if rid in h:
+                held[rid].append(h[rid])
+
+    outs = _drain(llm, on_step)
+    res["spec_decode"] = {"tokens": {rid: outs.get(rid) for rid in cases}, "held": held,
+                          "steps": {rid: len(v) for rid, v in held.items()},
+                          "rounds": conn.totals.rounds - rounds0,
+                          "failures": sum(conn.totals.failures.values()) - fail0, "free_end": _free(llm)}
+
+
+SCENARIOS = {"spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
              "short_moments": run_short_moments, "faults": run_faults,
              "parallel": run_parallel, "greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
              "preempt_abort": run_preempt_abort}

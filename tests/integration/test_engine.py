@@ -263,3 +263,19 @@ def test_query_agnostic_protocol_matches_the_pruned_cache_oracle(evicting, model
         diffs[mode] = (oracle - torch.tensor(run["logprobs"], dtype=torch.float64)).abs().max().item()
     assert diffs["prefill"] < 2e-3, diffs
     assert diffs["score_only"] > 10 * diffs["prefill"] and diffs["score_only"] > 1e-2, diffs
+
+
+def test_speculative_drafts_on_compacted_requests(evicting, ngram):
+    """n-gram speculative decoding with eviction: a request compressed at its prompt end (T = 0) decodes
+    with drafts verified over its ragged cache and gives the tokens the same request gives without drafts;
+    with rounds every 64 tokens the blocks held stay within budget + T (+ the block vLLM reserves for the
+    drafts) after every step; drafts were accepted (fewer steps than tokens); nothing failed or leaked."""
+    sd, ref = ngram["spec_decode"], evicting["spec_decode"]
+    assert sd["failures"] == 0 and sd["free_end"] == 99, sd
+    assert sd["tokens"]["SA"] == ref["tokens"]["SA"]
+    assert len(sd["tokens"]["SB"]) == 400
+    # drafts were accepted: fewer engine steps than without them
+    assert sd["steps"]["SA"] < ref["steps"]["SA"] and sd["steps"]["SB"] < ref["steps"]["SB"], (sd, ref)
+    assert sd["rounds"] == ref["rounds"] >= 5, (sd["rounds"], ref["rounds"])  # SA once, SB at 192, 256, ...
+    assert max(sd["held"]["SB"]) <= 128 // 32 + 64 // 32 + 1, sd["held"]["SB"]
+    assert max(sd["held"]["SA"][1:]) <= 128 // 32 + 160 // 32 + 2

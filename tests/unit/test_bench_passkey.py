@@ -24,6 +24,9 @@ def test_configs_cover_policies_budgets_modes_and_reject_unknown_mode():
     assert cfg[0] == ("full", "none", None, "aware")
     assert len(cfg) == 1 + 2 * 2 * 3
     assert ("snapkv@20%/agn", "snapkv", 200, "agnostic") in cfg
+    so = pk.config_list(argparse.Namespace(budgets="128", fractions="", modes="agnostic,score_only",
+                                           policies="knorm"), 1000)
+    assert so[1:] == [("knorm@128/agn", "knorm", 128, "agnostic"), ("knorm@128/so", "knorm", 128, "score_only")]
     with pytest.raises(SystemExit, match="modes"):
         pk.config_list(argparse.Namespace(budgets="1", fractions="", modes="blind", policies="knorm"), 10)
 

@@ -21,7 +21,8 @@ def _passkey():
         "full": {"policy": "none", "budget": None, "mode": "aware", "correct": 4, "trials": 4},
         "knorm@512": {"policy": "knorm", "budget": 512, "mode": "aware", "correct": 2, "trials": 4},
         "knorm@128": {"policy": "knorm", "budget": 128, "mode": "aware", "correct": 1, "trials": 4},
-        "knorm@128/agn": {"policy": "knorm", "budget": 128, "mode": "agnostic", "correct": 3, "trials": 4}}},
+        "knorm@128/agn": {"policy": "knorm", "budget": 128, "mode": "agnostic", "correct": 3, "trials": 4},
+        "knorm@128/so": {"policy": "knorm", "budget": 128, "mode": "score_only", "correct": 2, "trials": 4}}},
         ["--budgets", "128,512"])
 
 
@@ -35,9 +36,9 @@ def test_block_is_rendered_and_prose_outside_is_kept(tmp_path):
     assert "old table" not in new
     assert "`python -m benchmarks.passkey --budgets 128,512`" in new
     rows = [line for line in new.splitlines() if line.startswith("| ")]
-    assert rows[0] == "| policy | 128 | 512 | 128 agn |"  # aware budgets ascending, then agnostic
-    assert rows[1] == "| full cache | 4 | 4 | 4 |"
-    assert rows[2] == "| knorm | 1 | 2 | 3 |"
+    assert rows[0] == "| policy | 128 | 512 | 128 agn | 128 so |"  # aware budgets ascending, then the modes
+    assert rows[1] == "| full cache | 4 | 4 | 4 | 4 |"
+    assert rows[2] == "| knorm | 1 | 2 | 3 | 2 |"
     again, _ = report.regenerate(new, tmp_path)
     assert again == new  # idempotent
 
@@ -50,7 +51,7 @@ def test_check_reports_stale_and_write_fixes_it(tmp_path, capsys):
     assert report.main(args + ["--check"]) == 1
     assert report.main(args) == 0
     assert report.main(args + ["--check"]) == 0
-    assert "| knorm | 1 | 2 | 3 |" in readme.read_text()
+    assert "| knorm | 1 | 2 | 3 | 2 |" in readme.read_text()
 
 
 def test_missing_file_and_unknown_renderer_are_named(tmp_path):
@@ -95,6 +96,6 @@ def test_tagged_blocks_of_one_kind_render_separately(tmp_path):
             f"<!-- results:passkey/decode {src} -->\nold\n<!-- /results:passkey/decode -->\n")
     new, names = report.regenerate(text, tmp_path, {"passkey/decode"})
     assert names == ["passkey/decode"] and "kept" in new and "old" not in new
-    assert "| knorm | 1 | 2 | 3 |" in new
+    assert "| knorm | 1 | 2 | 3 | 2 |" in new
     with pytest.raises(FileNotFoundError, match="missing.json"):
         report.regenerate(text, tmp_path, {"passkey"})

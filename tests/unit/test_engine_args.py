@@ -70,6 +70,8 @@ def test_flag_contradicting_additional_config_is_refused(parser):
     (["--kv-eviction-policy", "contour", "--kv-policy-args", '{"mix": 9}'], ["policy_args", "allocator.mix"]),
     (["--kv-eviction-policy", "snapkv", "--kv-policy-args", "not json"], ["policy_args", "JSON object"]),
     (["--kv-eviction-policy", "snapkv", "--scheduler-cls", "my.Scheduler"], ["--scheduler-cls", "my.Scheduler"]),
+    (["--kv-eviction-policy", "snapkv", "--speculative-config", '{"method": "eagle", "model": "x"}'],
+     ["--speculative-config", "'eagle'", "ngram"]),
 ])
 def test_invalid_settings_fail_naming_the_field(parser, argv, words):
     from vllm_contour.integration.engine_args import prepare_engine_args
@@ -90,6 +92,9 @@ def test_eviction_wires_connector_prefix_caching_and_block_size(parser):
     assert cfg.decode_interval == 96
     assert ea.kv_transfer_config.kv_connector == CONNECTOR_NAME and ea.scheduler_cls == SCHEDULER_CLS
     assert ea.enable_prefix_caching is False and ea.block_size == 32
+    ng = engine_args(parser, ["--kv-eviction-policy", "snapkv", "--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'])
+    assert prepare_engine_args(ng).enabled  # n-gram drafts are served as multi-token steps
     off = engine_args(parser, [])
     prepare_engine_args(off)
     assert off.kv_transfer_config is None and off.enable_prefix_caching is None and off.block_size is None

@@ -143,7 +143,7 @@ def prepare_engine_args(engine_args) -> EvictionConfig:
             logger.info("kv_eviction: block size %d (budgets are handed out in whole pages)",
                         DEFAULT_EVICTION_BLOCK_SIZE)
         if engine_args.speculative_config:
-            raise EvictionConfigError("--speculative-config cannot be combined with --kv-eviction-policy yet")
+            _check_speculative(engine_args.speculative_config)
         if engine_args.scheduler_cls not in (None, SCHEDULER_CLS):
             raise EvictionConfigError(
                 f"--scheduler-cls {engine_args.scheduler_cls!r} cannot be combined with --kv-eviction-policy: "
@@ -152,6 +152,22 @@ def prepare_engine_args(engine_args) -> EvictionConfig:
         logger.info("kv_eviction: %s", cfg.to_dict())
     ACTIVE_CONFIG = cfg
     return cfg
+
+
+def _check_speculative(spec) -> None:
+    """n-gram speculative decoding works with eviction (its drafts are extra query tokens of the target
+    model, served as multi-token steps; a round only ever covers verified tokens). A draft model or EAGLE
+    keeps a KV cache of its own that the plugin does not evict, so those are refused."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except ValueError:
+            raise EvictionConfigError(f"--speculative-config: not JSON: {spec!r}") from None
+    method = spec.get("method") if isinstance(spec, dict) else getattr(spec, "method", None)
+    if method != "ngram":
+        raise EvictionConfigError(
+            f"--speculative-config: method {method!r} cannot be combined with --kv-eviction-policy (only "
+            "'ngram' can: a draft model or EAGLE keeps its own KV cache, which the plugin does not evict)")
 
 
 def cache_shape_of(vllm_config):

@@ -219,6 +219,9 @@ class SchedulerSide:
         t.held_n += 1
         t.held_peak = max(t.held_peak, held * self.block_size)
         start, done = req.num_computed_tokens, req.num_computed_tokens + n_sched
+        # with speculative decoding the step also computes draft tokens past the request's tokens, which the
+        # sampler may reject: a round and the window it scores only ever cover verified tokens
+        done = min(done, req.num_tokens)
         r = self._next_round(t)
         if r is None or t.budget is None:
             return
