@@ -71,6 +71,13 @@ STREAM_CHUNKS = 2  # a cancelled stream is closed after this many data chunks
 # ----------------------------------------------------------------------------------------------------
 
 
+def _preset_moments(policy: str | None) -> bool:
+    """Whether a preset turns moment correction on by default (MomentKV's presets do: the floor is higher)."""
+    from vllm_contour.policies.registry import PRESETS
+
+    return policy is not None and PRESETS[policy].moment_correction
+
+
 def _valid_xargs(rng: random.Random, prompt_len: int, policies, moments) -> dict:
     """A random subset of valid per-request overrides (each key with probability 1/2)."""
     x: dict = {}
@@ -79,7 +86,8 @@ def _valid_xargs(rng: random.Random, prompt_len: int, policies, moments) -> dict
         x["kv_policy"] = rng.choice(list(policies))
     if moments is True or (moments == "random" and coin()):
         x["kv_moment_correction"] = True if moments is True else rng.choice([True, False])
-    if x.get("kv_moment_correction") is True:
+    if x.get("kv_moment_correction") is True or (
+            "kv_moment_correction" not in x and _preset_moments(x.get("kv_policy"))):
         x["kv_budget"] = rng.choice(MOMENT_BUDGETS)  # always explicit: the server's budget may be lower
     elif coin():
         x["kv_budget"] = rng.choice(BUDGETS)

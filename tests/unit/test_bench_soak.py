@@ -55,6 +55,8 @@ def test_valid_requests_only_carry_valid_overrides():
             seen_moments.add(mc)
             if mc is True:
                 assert x["kv_budget"] in MOMENT_BUDGETS and x["kv_budget"] >= 128
+            elif mc is None and x.get("kv_policy") == "moment":  # the preset turns moments on itself
+                assert x.get("kv_budget", 128) >= 128, x
             elif "kv_budget" in x:
                 assert x["kv_budget"] >= 64
         if moments is True:
