@@ -29,10 +29,10 @@ def _port() -> int:
     return p
 
 
-def _post(url, body):
+def _post(url, body, timeout=300):
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=300) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -198,7 +198,8 @@ def documented_replies(server):
 
     def send(xargs):
         return _post(base + "/v1/completions", {"model": "smollm2", "prompt": _story(60), "max_tokens": 16,
-                                                "temperature": 0, "ignore_eos": True, "vllm_xargs": xargs})
+                                                "temperature": 0, "ignore_eos": True, "vllm_xargs": xargs},
+                     timeout=900)  # 13 prefills share the cores: generous on a loaded machine
 
     with ThreadPoolExecutor(len(DOCUMENTED)) as pool:
         return list(pool.map(send, DOCUMENTED))
