@@ -83,7 +83,7 @@ def model_dir() -> str:
 def stock(model_dir):
     """Stock vLLM: the plugin is not loaded at all (VLLM_PLUGINS allow-list without it)."""
     return run_engine("stock", dict(BASE_LLM, model=model_dir),
-                      ["greedy", "greedy_long", "free_blocks", "concurrency", "context_boundary"],
+                      ["greedy", "greedy_long", "free_blocks", "concurrency", "context_boundary", "streaming_input"],
                       env={"VLLM_PLUGINS": "none-allowed"},
                       free_cases=[[2000, None]])
 
@@ -109,12 +109,12 @@ def evicting(model_dir):
                                         additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
                       ["greedy", "greedy_long", "greedy_evicted", "free_blocks", "concurrency", "preempt_abort",
                        "presets", "decode_bound", "budget_formula", "short_moments", "context_boundary", "protocol",
-                       "spec_decode"],
+                       "spec_decode", "streaming_input"],
                       greedy_extra_args={"kv_budget": 100000}, long_extra_args={"kv_budget": 1024},
                       free_cases=[[2000, {"kv_policy": "adakv"}], [2000, {"kv_policy": "streaming"}],
                                   [1000, {"kv_budget": 256}]],
                       pa_extra_cycle=[{"kv_decode_interval": 32}, {"kv_policy": "none"}],
-                      formula_cases=FORMULA_CASES)
+                      formula_cases=FORMULA_CASES, stream_keep_args={"kv_budget": 100000})
 
 
 @pytest.fixture(scope="session")

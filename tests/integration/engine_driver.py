@@ -214,7 +214,7 @@ def run_presets(llm, spec, res):
 
     tok = llm.get_tokenizer()
     question = tok.encode(" Question: what did the river pass? Answer:", add_special_tokens=False)
-    ctx = _text_prompts(tok, [420], 21)[0]
+    ctx = _text_prompts(tok, [300], 21)[0]
     prompt = ctx + question
     engine = llm.llm_engine
     from vllm_contour.config import preset_moments
@@ -316,7 +316,7 @@ def run_decode_bound(llm, spec, res):
     from vllm import SamplingParams
 
     tok = llm.get_tokenizer()
-    cases = spec.get("bound_cases", [[1600, 700], [80, 1500]])
+    cases = spec.get("bound_cases", [[1200, 400], [80, 700]])
     prompts = _text_prompts(tok, [n for n, _ in cases], 4)
     engine = llm.llm_engine
     extra = spec.get("bound_extra_args")
@@ -420,7 +420,7 @@ def run_faults(llm, spec, res):
 
     tok = llm.get_tokenizer()
     rnd = random.Random(13)
-    lengths = [rnd.choice([30, 90, 200, 400, 700, 1100]) for _ in range(spec.get("fault_requests", 16))]
+    lengths = [rnd.choice([30, 90, 200, 400, 700, 1100]) for _ in range(spec.get("fault_requests", 12))]
     prompts = _text_prompts(tok, lengths, 9)
     engine = llm.llm_engine
     for i, p in enumerate(prompts):
@@ -559,7 +559,90 @@ def run_spec_decode(llm, spec, res):
                           "failures": sum(conn.totals.failures.values()) - fail0, "free_end": _free(llm)}
 
 
-SCENARIOS = {"spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
+def _stream_session(llm, rid: str, chunks, max_tokens: int, extra, on_step=None) -> list[list[int]]:
+    """One streaming-input session (vLLM 0.32's resumable requests, as AsyncLLM sends them) driven on the
+    in-process engine core: each chunk is appended once the previous turn has stopped; -> each turn's
+    generated tokens. A final non-resumable request with the same id closes the session."""
+    from vllm import SamplingParams
+    from vllm.v1.request import RequestStatus
+
+    engine = llm.llm_engine
+    core = _core(llm)
+    sched = core.scheduler
+
+    def add(tokens, resumable):
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, extra_args=extra)
+        # a copy: vLLM extends the session's prompt list in place with every later chunk
+        ecr = engine.input_processor.process_inputs(rid, {"prompt_token_ids": list(tokens)}, sp,
+                                                    supported_tasks=engine.get_supported_tasks(),
+                                                    resumable=resumable)
+        req, wave = core.preprocess_add_request(ecr)
+        core.add_request(req, wave)
+
+    turns: list[list[int]] = []
+    for chunk in chunks:
+        add(chunk, True)
+        got: list[int] = []
+        while True:
+            outs, _ = core.step()
+            for eco in outs.values():
+                for o in eco.outputs:
+                    if o.request_id == rid:
+                        got.extend(o.new_token_ids)
+            if on_step is not None:
+                on_step()
+            r = sched.requests.get(rid)
+            if r is None or r.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+                break
+        turns.append(got)
+    add([0], False)  # the end of the input stream
+    while sched.has_requests():
+        core.step()
+    return turns
+
+
+def run_streaming_input(llm, spec, res):
+    """Streaming-input sessions: a 600-token chunk, then a 150-token and a 200-token chunk appended to the
+    running request, 20 generated tokens per turn. ``stream_keep`` (a budget no round reaches, or stock): the
+    tokens must be stock's; ``stream_evict`` (the engine's budget, default T): the blocks held after every
+    step (vLLM's pool) and each turn's tokens, plus the oracle: ONE ordinary request whose prompt is the
+    session's first chunk, the first turn's computed tokens and the second chunk, with ``kv_context_len`` =
+    the first chunk (the context is compressed where the session's first chunk ended)."""
+    from vllm import SamplingParams
+
+    tok = llm.get_tokenizer()
+    chunks = _text_prompts(tok, [600, 150, 200], 71)
+    n = spec.get("stream_max_tokens", 20)
+    sched = _core(llm).scheduler
+    conn = sched.connector
+    out = {"chunks": chunks, "keep": _stream_session(llm, "stream_keep", chunks, n, spec.get("stream_keep_args"))}
+    engine = llm.llm_engine
+    engine.add_request("keep_oracle", {"prompt_token_ids": chunks[0] + out["keep"][0][:-1] + chunks[1]},
+                       SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                                      extra_args=spec.get("stream_keep_args")))
+    out["keep_oracle"] = _drain(llm).get("keep_oracle")
+    if conn is not None:
+        held: list[int] = []
+        rounds0 = conn.totals.rounds
+        evict_args = spec.get("stream_evict_args")
+
+        def on_step():
+            h = _held(llm).get("stream_evict")
+            if h is not None:
+                held.append(h)
+
+        turns = _stream_session(llm, "stream_evict", chunks[:2], n, evict_args, on_step)
+        out.update(evict=turns, held=held, rounds=conn.totals.rounds - rounds0)
+        prompt = chunks[0] + turns[0][:-1] + chunks[1]  # the last sampled token of a turn is not kept
+        engine.add_request("stream_oracle", {"prompt_token_ids": prompt},
+                           SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                                          extra_args={**(evict_args or {}), "kv_context_len": len(chunks[0])}))
+        out["oracle"] = _drain(llm).get("stream_oracle")
+    out["free_end"] = _free(llm)
+    res["streaming_input"] = out
+
+
+SCENARIOS = {"streaming_input": run_streaming_input, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
              "short_moments": run_short_moments, "faults": run_faults,
              "parallel": run_parallel, "greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
              "preempt_abort": run_preempt_abort}

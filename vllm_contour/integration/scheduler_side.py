@@ -91,8 +91,15 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ request life
     def on_alloc(self, request: "Request") -> None:
-        """(Re)admitted from the waiting queue: a resumed request re-prefills and starts over."""
+        """(Re)admitted from the waiting queue: a resumed request re-prefills and starts over. A streaming-input
+        session (vLLM's resumable requests) taking its next chunk keeps its blocks, compacted or not: its new
+        tokens are prefilled over the kept cache (a multi-token step) and its next round comes as usual."""
         try:
+            t = self.tracked.get(request.request_id)
+            if t is not None and request.num_computed_tokens > 0 and getattr(request, "resumable", False):
+                t.request = request
+                t.prefill_end = request.num_tokens
+                return
             self._reset(self._track(request), request)
         except Exception as e:  # never into vLLM: this request is served without eviction
             self._fail(request.request_id, "metadata", e)
@@ -119,11 +126,6 @@ class SchedulerSide:
         extra = request.sampling_params.extra_args if request.sampling_params else None
         params = resolve_request(self.config, extra)
         if not params.enabled:
-            return None
-        if getattr(request, "resumable", False):
-            self._log_once(request.request_id, "resumable",
-                           "kv_eviction: %s is a streaming-input (resumable) request; served without eviction",
-                           request.request_id)
             return None
         return params
 
