@@ -69,9 +69,22 @@ def render_passkey(runs: list[tuple[str, dict]]) -> str:
         out += ([""] if out else []) + [provenance(res, "passkey", src) + f" — {res['prompt_tokens']} prompt tokens, correct out of "
                 f"{res['trials']}; columns are tokens per KV head, `agn` = query-agnostic (the context "
                 f"compressed before the question is computed), `so` = score_only (the question is only kept out of "
-                f"the scoring)", "",
+                f"the scoring)" + _passkey_cost(res), "",
                 md_table(["policy"] + cols, body)]
     return "\n".join(out)
+
+
+def _passkey_cost(res: dict) -> str:
+    """The wall time of computing the question over the compressed cache (agnostic) relative to computing it
+    densely (score_only), same prompts, same (policy, budget), same run: median and range of the ratios."""
+    by = {(r["policy"], r["budget"], r["mode"]): r.get("seconds") for r in res["results"].values()}
+    ratios = sorted(by[(p, b, "agnostic")] / s for (p, b, m), s in by.items()
+                    if m == "score_only" and s and by.get((p, b, "agnostic")))
+    if not ratios:
+        return ""
+    med = ratios[len(ratios) // 2] if len(ratios) % 2 else (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
+    return (f"; wall time of a configuration, agn / so: median {med:.2f}× ({ratios[0]:.2f}–{ratios[-1]:.2f}) over "
+            f"{len(ratios)} (policy, budget) pairs")
 
 
 def _span(vals: list[float], nd: int) -> str:

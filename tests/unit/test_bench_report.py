@@ -99,3 +99,19 @@ def test_tagged_blocks_of_one_kind_render_separately(tmp_path):
     assert "| knorm | 1 | 2 | 3 | 2 |" in new
     with pytest.raises(FileNotFoundError, match="missing.json"):
         report.regenerate(text, tmp_path, {"passkey"})
+
+
+def test_passkey_block_states_the_cost_of_computing_the_question_over_the_compressed_cache(tmp_path):
+    res = _passkey()
+    res["results"]["knorm@128/agn"]["seconds"] = 3.0
+    res["results"]["knorm@128/so"]["seconds"] = 2.0
+    res["results"]["snapkv@128/agn"] = {"policy": "snapkv", "budget": 128, "mode": "agnostic", "correct": 0,
+                                        "trials": 4, "seconds": 1.0}
+    res["results"]["snapkv@128/so"] = {"policy": "snapkv", "budget": 128, "mode": "score_only", "correct": 0,
+                                       "trials": 4, "seconds": 2.0}
+    src = _write(tmp_path, "passkey.json", res)
+    new, _ = report.regenerate(f"<!-- results:passkey {src} -->\n<!-- /results:passkey -->\n", tmp_path)
+    assert "agn / so: median 1.00× (0.50–1.50) over 2 (policy, budget) pairs" in new
+    assert "agn / so" not in report.regenerate(
+        f"<!-- results:passkey {_write(tmp_path, 'p2.json', _passkey())} -->\n<!-- /results:passkey -->\n",
+        tmp_path)[0]
