@@ -11,8 +11,8 @@ matching presets query-agnostic (``kv_context_len``) at the same budgets.
 Bytes held after the prompt:
 - kvpress: numel × element size of every key/value tensor in its DynamicCache after compressing the context
   (masked entries included: AdaKV keeps the whole cache and masks it), plus the question tokens held dense.
-- here: blocks the request holds in vLLM's pool after eviction (ceil(prompt / block_size) minus the blocks
-  the connector freed) × block bytes.
+- here: blocks the request holds in vLLM's pool right after the step that completed its prompt (the
+  context's round applied, the question's blocks dense) × block bytes; later decode-time rounds not counted.
 
     python -m benchmarks.audit [--quick] [--out DIR]
 """

@@ -20,7 +20,8 @@ then RULER's answer prefix as the start of the assistant turn; prompt + generate
 Configurations: full cache, policy presets × budgets (tokens per KV head per layer, and fractions of the
 context) × {query-aware, query-agnostic (``kv_context_len`` = tokens before the question)} × moment
 correction off/on. One in-process engine serves them all through per-request ``extra_args``; the KV bytes
-a request holds after eviction are read from the scheduler (connector record ``(K, E, freed)``).
+a request holds right after its prompt are read from vLLM's pool (its non-null blocks after the step that
+completed the prompt).
 
     python -m benchmarks.ruler [--quick] [--out DIR]
 """
@@ -315,7 +316,9 @@ def extra_args(cfg: dict, sample: dict) -> dict:
 
 
 def held_blocks(prompt_len: int, block_size: int, record) -> int:
-    """Blocks a request holds right after its prompt: ceil(prompt/bs), minus those eviction freed."""
+    """Blocks a request holds right after its prompt: ceil(prompt/bs), minus those its (only) round freed
+    (``record`` = the connector's (K, E, freed) of the request's last round; with decode-time rounds that is
+    not the prompt's round, so ``run_engine`` reads the pool itself after the prompt step)."""
     total = -(-prompt_len // block_size)
     return total if record is None else total - int(record[2])
 
@@ -342,6 +345,10 @@ def run_engine(model: str, samples: list[dict], configs: list[dict], progress: b
             engine.add_request(rid, {"prompt_token_ids": s["ids"]}, sp)
             meta[rid] = (ci, si)
     outs: dict[str, str] = {}
+    # blocks each request holds in vLLM's pool right after the step that completed its prompt (eviction at
+    # the prompt end, or at the context boundary, already applied); decode-time rounds come later
+    mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
+    after_prompt: dict[str, int] = {}
     t0 = time.time()
     done, steps, last = 0, 0, time.time()
     while engine.has_unfinished_requests():
@@ -350,6 +357,10 @@ def run_engine(model: str, samples: list[dict], configs: list[dict], progress: b
             if o.finished:
                 outs[o.request_id.split("-")[0]] = o.outputs[0].text
                 done += 1
+        for r in sched.running:
+            key = r.request_id.split("-")[0]
+            if key in meta and key not in after_prompt and r.num_computed_tokens >= r.num_prompt_tokens:
+                after_prompt[key] = sum(1 for b in mgr.req_to_blocks.get(r.request_id, []) if not b.is_null)
         if progress and time.time() - last > 60:
             last = time.time()
             print(f"  {done}/{len(meta)} requests done, {steps} steps, {len(sched.running)} running, "
@@ -361,7 +372,8 @@ def run_engine(model: str, samples: list[dict], configs: list[dict], progress: b
         cfg, s = configs[ci], samples[si]
         pred = postprocess_pred(outs.get(rid, ""))
         rec = records.get(rid)
-        hb = held_blocks(len(s["ids"]), bs, rec)
+        # a request that finished in its prompt's step had no decode-time round: the formula is exact then
+        hb = after_prompt.get(rid, held_blocks(len(s["ids"]), bs, rec))
         rows.append({"config": cfg["name"], "policy": cfg["policy"], "budget": cfg["budget"], "mode": cfg["mode"],
                      "moments": cfg["moments"], "task": s["task"], "length": s["length"], "idx": s["idx"],
                      "prompt_tokens": len(s["ids"]), "context_len": s["context_len"],
