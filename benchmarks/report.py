@@ -19,6 +19,7 @@ import argparse
 import json
 import re
 import shlex
+import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -82,8 +83,8 @@ def _passkey_cost(res: dict) -> str:
                     if m == "score_only" and s and by.get((p, b, "agnostic")))
     if not ratios:
         return ""
-    med = ratios[len(ratios) // 2] if len(ratios) % 2 else (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
-    return (f"; wall time of a configuration, agn / so: median {med:.2f}× ({ratios[0]:.2f}–{ratios[-1]:.2f}) over "
+    return (f"; wall time of a configuration, agn / so: median {statistics.median(ratios):.2f}× "
+            f"({ratios[0]:.2f}–{ratios[-1]:.2f}) over "
             f"{len(ratios)} (policy, budget) pairs")
 
 
