@@ -10,6 +10,9 @@ A round looks at the request's *candidates*. The first round: every token of its
 kept run from the previous layout plus the full tail blocks ``[E, E2)``. Each layer keeps its page budget
 (``PageBudget.token_pages``); the layout packs the kept pages, plus the moment pages, into the first of the
 *target* blocks (the blocks that held the candidates, in logical order) and the remaining targets empty.
+With ``fresh_ids`` (private blocks the scheduler allocated because some targets are hashed for prefix
+caching or shared with other requests) the kept pages go into those instead: the round only reads the
+request's blocks, every target is released, and the first fresh blocks take the first target slots.
 A plan that fails raises before any byte moved; the caller then leaves the request as it was.
 """
 
@@ -46,6 +49,13 @@ class RoundPlan:
     layers: list[LayerPlan]
     prev: RequestLayout | None
     evicted_tokens: int  # over all layers and heads
+    replaced: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, original id, fresh id)
+
+    @property
+    def fresh(self) -> bool:
+        """The round writes only private blocks: a failure while applying leaves the request's cache as
+        it was."""
+        return bool(self.replaced)
     seconds: float = 0.0
     stats: dict = field(default_factory=dict)
 
@@ -53,7 +63,7 @@ class RoundPlan:
 def plan_round(caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], num_tokens: int,
                params: RequestEviction, budget: PageBudget, scale: float, prev: RequestLayout | None = None,
                queries: dict[int, torch.Tensor] | None = None, query_positions: torch.Tensor | None = None,
-               policy: Policy | None = None) -> RoundPlan | None:
+               policy: Policy | None = None, fresh_ids: list[int] | None = None) -> RoundPlan | None:
     """Plan one round. Returns None when there is nothing to evict (every layer's candidates fit in its
     budget, or no new full block since the last round). Raises ``PlanError`` (or the policy's error) when
     the round cannot be planned; nothing has been written then."""
@@ -118,6 +128,10 @@ def plan_round(caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[
         evicted_sets.append((torch.cat(ev_p), torch.cat(ev_o), torch.cat(ev_h)))
 
     target_ids = [int(block_ids[s]) for s in targets]
+    dest_ids, dest_slots = target_ids, targets
+    if fresh_ids is not None:
+        n_fresh = min(len(fresh_ids), len(targets))
+        dest_ids, dest_slots = [int(b) for b in fresh_ids[:n_fresh]], targets[:n_fresh]
     max_tok = max(1, int(pages.max())) * bs
     positions = torch.full((num_layers, h, max_tok), -1, dtype=torch.int64)
     carry = torch.zeros((num_layers, h, max_tok)) if policy.accumulates else None
@@ -128,8 +142,8 @@ def plan_round(caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[
             if carry is not None and kept_scores[layer] is not None:
                 carry[layer, hh, :n] = kept_scores[layer][hh].to(torch.float32).nan_to_num(0.0, 0.0, 0.0)
     try:
-        layout = plan_layout(pages, target_ids, bs, h, e_new, moment_pages=budget.moment_pages,
-                             block_slots=targets, positions=positions)
+        layout = plan_layout(pages, dest_ids, bs, h, e_new, moment_pages=budget.moment_pages,
+                             block_slots=dest_slots, positions=positions)
     except ValueError as e:
         raise PlanError(str(e)) from None
     if layout.kept_blocks > max(budget.kept_blocks, 1):
@@ -142,8 +156,12 @@ def plan_round(caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[
         moves = compaction_indices(kept_all[layer], layout.page_ids[layer], src_tables[layer], bs)
         layers.append(LayerPlan(moves=moves, evicted=evicted_sets[layer]))
     k = layout.kept_blocks
+    replaced = []
+    if fresh_ids is not None:
+        replaced = [(s, target_ids[i], layout.block_ids[i]) for i, s in enumerate(targets[:k])]
     return RoundPlan(layout=layout, freed_slots=targets[k:], freed_blocks=target_ids[k:], layers=layers,
-                     prev=prev, evicted_tokens=int(evicted_n.sum()), seconds=time.perf_counter() - t0)
+                     prev=prev, evicted_tokens=int(evicted_n.sum()), seconds=time.perf_counter() - t0,
+                     replaced=replaced)
 
 
 def _first_round_inputs(caches, blocks, num_tokens, e_new, block_ids, h, scale, q_all, query_positions,

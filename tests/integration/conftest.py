@@ -109,12 +109,21 @@ def evicting(model_dir):
                                         additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
                       ["greedy", "greedy_long", "greedy_evicted", "free_blocks", "concurrency", "preempt_abort",
                        "presets", "decode_bound", "budget_formula", "short_moments", "context_boundary", "protocol",
-                       "spec_decode", "streaming_input"],
+                       "spec_decode", "streaming_input", "prefix_stream"],
                       greedy_extra_args={"kv_budget": 100000}, long_extra_args={"kv_budget": 1024},
                       free_cases=[[2000, {"kv_policy": "adakv"}], [2000, {"kv_policy": "streaming"}],
                                   [1000, {"kv_budget": 256}]],
                       pa_extra_cycle=[{"kv_decode_interval": 32}, {"kv_policy": "none"}],
                       formula_cases=FORMULA_CASES, stream_keep_args={"kv_budget": 100000})
+
+
+@pytest.fixture(scope="session")
+def prefix_cached(model_dir):
+    """The evicting engine with vLLM's prefix caching on (its default)."""
+    return run_engine("snapkv128_prefix", dict(BASE_LLM, model=model_dir, enable_prefix_caching=True,
+                                               additional_config={"kv_eviction": {"policy": "snapkv",
+                                                                                  "budget": 128}}),
+                      ["prefix_stream"])
 
 
 @pytest.fixture(scope="session")

@@ -200,7 +200,7 @@ def run_preempt_abort(llm, spec, res):
         "held": held, "aborted": sorted(to_abort), "finished": len(finished),
         "free_end": pool.get_num_free_blocks(), "num_blocks": pool.num_gpu_blocks,
         "requests_left": len(sched.requests),
-        "worker_requests_left": sorted(st.requests), "worker_layouts_left": sorted(st.key_to_req.values()),
+        "worker_requests_left": sorted(st.requests), "worker_layouts_left": sorted(st.compacted()),
         "manager_reqs_left": len(sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks),
         "rounds": _core(llm).scheduler.connector.totals.rounds if _core(llm).scheduler.connector else 0,
     }
@@ -642,7 +642,79 @@ def run_streaming_input(llm, spec, res):
     res["streaming_input"] = out
 
 
-SCENARIOS = {"streaming_input": run_streaming_input, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
+def run_prefix_stream(llm, spec, res):
+    """An interleaved stream: requests that share a document prefix (two documents), requests that share
+    nothing, some arriving together (they prefill their own tails in the same step over the same cached
+    blocks), one aborted midway. The same stream runs on an engine with prefix caching off and one with it
+    on; the tests compare the tokens. Recorded from vLLM: each request's prefix-cache hit
+    (``num_cached_tokens``), the pool at the end, the plugin's counters."""
+    from vllm import SamplingParams
+
+    from vllm_contour.integration.state import worker_state
+
+    tok = llm.get_tokenizer()
+    docs = _text_prompts(tok, [spec.get("ps_doc", 700)] * 2, 61)
+    qs = _text_prompts(tok, [spec.get("ps_question", 70)] * 8, 62)
+    solo = _text_prompts(tok, [400, 650], 63)
+    engine = llm.llm_engine
+    sched = _core(llm).scheduler
+    max_tokens = spec.get("ps_max_tokens", 100)
+    extra = spec.get("ps_extra_args")
+    # (arrival step, request id, prompt); requests of one step arrive together
+    plan = [(0, "a0", docs[0] + qs[0]), (0, "s0", solo[0]),
+            (3, "a1", docs[0] + qs[1]), (3, "a2", docs[0] + qs[2]), (3, "b0", docs[1] + qs[3]),
+            (6, "b1", docs[1] + qs[4]), (6, "x0", docs[0] + qs[5]),
+            (9, "a3", docs[0] + qs[6]), (9, "b2", docs[1] + qs[7]), (9, "s1", solo[1]),
+            (1, "a0r", docs[0] + qs[0])]  # a0 again, right after it: its whole prompt is cached
+    abort = {"x0": 14}  # aborted at this step
+    hits: dict[str, int] = {}  # each request's local prefix-cache hit, as the scheduler uses it
+    lookup = sched._get_local_prefix_cache_hit
+
+    def hit(request):
+        out = lookup(request)
+        hits[request.request_id] = out[1]
+        return out
+
+    sched._get_local_prefix_cache_hit = hit
+    reasons: dict[str, str] = {}
+    outs: dict[str, list[int]] = {}
+    step = 0
+    pending = list(plan)
+    while pending or engine.has_unfinished_requests():
+        for item in [p for p in pending if p[0] <= step]:
+            pending.remove(item)
+            engine.add_request(item[1], {"prompt_token_ids": item[2]},
+                               SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                              extra_args=extra))
+        for rid, at in abort.items():
+            if at == step:
+                engine.abort_request([rid])
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+                reasons[o.request_id] = o.outputs[0].finish_reason
+        step += 1
+    engine.add_request("tail", {"prompt_token_ids": solo[0][:40]}, SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()
+    pool = sched.kv_cache_manager.block_pool
+    conn = sched.connector
+    res["prefix_stream"] = {
+        "tokens": {rid: outs.get(rid) for _, rid, _ in plan}, "reasons": reasons, "hits": hits,
+        "prompt_lens": {rid: len(p) for _, rid, p in plan}, "aborted": sorted(abort),
+        "free_end": pool.get_num_free_blocks(), "num_blocks": pool.num_gpu_blocks,
+        "manager_reqs_left": len(sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks),
+        "worker_requests_left": sorted(worker_state().requests),
+        "rounds": conn.totals.rounds if conn else 0, "freed": conn.totals.freed_blocks if conn else 0,
+        "evicted_requests": conn.totals.evicted_requests if conn else 0,
+        "private_blocks": conn.totals.private_blocks if conn else 0,
+        "failures": conn.totals.failures if conn else {},
+        "prefix_caching": bool(pool.enable_caching),
+    }
+
+
+SCENARIOS = {"prefix_stream": run_prefix_stream, "streaming_input": run_streaming_input, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
              "short_moments": run_short_moments, "faults": run_faults,
              "parallel": run_parallel, "greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
              "preempt_abort": run_preempt_abort}

@@ -296,3 +296,28 @@ def test_streaming_input_sessions_keep_their_compressed_cache(stock, evicting):
     assert ev["evict"][1] == ev["oracle"], (ev["evict"][1], ev["oracle"])
     assert ev["held"] and max(ev["held"]) <= 128 // 32 + 64 // 32 + 1, ev["held"]
     assert ev["free_end"] == st["free_end"] == evicting["num_gpu_blocks"] - 1
+
+
+def test_prefix_caching_on_gives_the_tokens_of_prefix_caching_off(evicting, prefix_cached):
+    """An interleaved stream (two shared documents, unrelated prompts, requests arriving together over the
+    same cached blocks, a repeat of a whole prompt, an abort) on the evicting engine with vLLM's prefix
+    caching on and off: the same tokens for every request, prefix hits taken, no block left behind."""
+    on, off = prefix_cached["prefix_stream"], evicting["prefix_stream"]
+    assert on["prefix_caching"] and not off["prefix_caching"]
+    assert on["failures"] == {} and off["failures"] == {}
+    done = [r for r in on["tokens"] if r not in on["aborted"]]
+    for rid in done:
+        assert on["tokens"][rid] is not None and on["tokens"][rid] == off["tokens"][rid], rid
+    hits = {k.split("-")[0]: v for k, v in on["hits"].items()}
+    # a1/a2 (arriving together), b1, a3, b2 reuse the cached document (21 full blocks of 32 of 700 tokens)
+    assert all(hits[r] == 672 for r in ("a1", "a2", "b1", "a3", "b2")), hits
+    # a0r repeats a0 right after it: the whole prompt is cached, but the hit stops short of the observation
+    # window (32 tokens) of its first round, whose queries SnapKV scores with: (770 - 32) // 32 blocks
+    assert hits["a0r"] == (770 - 32) // 32 * 32, hits
+    assert all(v == 0 for v in off["hits"].values())
+    # every request compacted; rounds packed into private blocks where their blocks were hashed
+    assert on["evicted_requests"] == off["evicted_requests"] == len(on["tokens"])
+    assert on["private_blocks"] > 0 and off["private_blocks"] == 0
+    for res in (on, off):  # nothing left: vLLM counts cached-but-unreferenced blocks as free
+        assert res["free_end"] == res["num_blocks"] - 1
+        assert res["manager_reqs_left"] == 0 and res["worker_requests_left"] == []

@@ -64,7 +64,6 @@ def test_flag_contradicting_additional_config_is_refused(parser):
     (["--kv-eviction-policy", "snapkv", "--kv-sink-tokens", "-2"], ["sink_tokens"]),
     (["--kv-budget", "64"], ["budget", "none"]),
     (["--additional-config", '{"kv_eviction": {"policy": "snapkv", "bduget": 3}}'], ["bduget", "allowed"]),
-    (["--kv-eviction-policy", "snapkv", "--enable-prefix-caching"], ["--enable-prefix-caching"]),
     (["--kv-eviction-policy", "snapkv", "--kv-transfer-config",
       '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}'], ["--kv-transfer-config", "LMCache"]),
     (["--kv-eviction-policy", "contour", "--kv-policy-args", '{"mix": 9}'], ["policy_args", "allocator.mix"]),
@@ -91,7 +90,10 @@ def test_eviction_wires_connector_prefix_caching_and_block_size(parser):
     assert cfg.enabled and cfg.budget == 128 and cfg.policy_args == {"kernel_size": 5}
     assert cfg.decode_interval == 96
     assert ea.kv_transfer_config.kv_connector == CONNECTOR_NAME and ea.scheduler_cls == SCHEDULER_CLS
-    assert ea.enable_prefix_caching is False and ea.block_size == 32
+    # prefix caching is left to vLLM (on by default); an explicit flag is accepted
+    assert ea.enable_prefix_caching is None and ea.block_size == 32
+    pc = engine_args(parser, ["--kv-eviction-policy", "snapkv", "--enable-prefix-caching"])
+    assert prepare_engine_args(pc).enabled and pc.enable_prefix_caching is True
     ng = engine_args(parser, ["--kv-eviction-policy", "snapkv", "--speculative-config",
                               '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'])
     assert prepare_engine_args(ng).enabled  # n-gram drafts are served as multi-token steps

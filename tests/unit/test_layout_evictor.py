@@ -374,3 +374,42 @@ def test_several_query_tokens_on_a_compacted_request_are_causal_ragged_rows(impl
             o_ref, _ = dense_attention_ref(q[i, hh * g:(hh + 1) * g], ks[None], vs[None], scale)
             tol = 1e-4 if dtype == torch.float32 else 3e-2
             torch.testing.assert_close(out[i, hh * g:(hh + 1) * g].float(), o_ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("moments", [False, True])
+def test_a_round_into_private_blocks_reads_the_originals_and_writes_only_the_private_ones(moments):
+    """Prefix caching: the request's blocks may be hashed or shared. With ``fresh_ids`` the round packs the
+    same tokens (same layout, same bytes per page) into the private blocks, every original block is left
+    as it was, and a failure while applying leaves nothing of the request's cache changed."""
+    h, bs, d, nb, layers = 3, 16, 32, 80, 3
+    seeds = range(layers)
+    num_tokens = 20 * bs + 5
+    block_ids = list(range(40, 61))
+    params = resolve_request(EvictionConfig(policy="knorm", budget=70, recent_window=8, sink_tokens=2,
+                                            moment_correction=moments), None)
+    in_place = [cpu_cache(nb, h, bs, d, seed=s)[1:] for s in seeds]
+    lay_a, plan_a = _round(in_place, block_ids, num_tokens, params, scale=d ** -0.5)
+    caches = [cpu_cache(nb, h, bs, d, seed=s)[1:] for s in seeds]
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    fresh = [5, 70, 12, 33, 8, 9, 2][: _budget(params, h, bs, d).kept_blocks]
+    lay_b, plan_b = _round(caches, block_ids, num_tokens, params, scale=d ** -0.5, fresh_ids=fresh)
+    k = lay_a.kept_blocks
+    assert lay_b.kept_blocks == k and lay_b.block_ids == fresh[:k] and lay_b.block_slots == list(range(k))
+    assert plan_b.fresh and plan_b.replaced == [(s, block_ids[s], fresh[s]) for s in range(k)]
+    assert plan_b.freed_slots == plan_a.freed_slots and plan_b.freed_blocks == plan_a.freed_blocks
+    assert torch.equal(lay_a.pages, lay_b.pages) and torch.equal(lay_a.positions, lay_b.positions)
+    untouched = [b for b in range(nb) if b not in fresh[:k]]
+    for layer in range(layers):
+        (k0, v0), (k1, v1), (ka, va) = before[layer], caches[layer], in_place[layer]
+        assert torch.equal(k0[untouched], k1[untouched]) and torch.equal(v0[untouched], v1[untouched])
+        for i in range(k):  # private block i holds what the in-place round put in the request's slot i
+            assert torch.equal(k1[fresh[i]], ka[block_ids[i]]) and torch.equal(v1[fresh[i]], va[block_ids[i]])
+    # a failure while applying a private-block round leaves the request's own blocks as they were
+    caches = [cpu_cache(nb, h, bs, d, seed=s)[1:] for s in seeds]
+    plan = plan_round(caches, block_ids, num_tokens, params, _budget(params, h, bs, d), d ** -0.5,
+                      fresh_ids=fresh)
+    with pytest.raises(RuntimeError):
+        apply_round(caches, plan, fail_after_layer=0)
+    for layer in range(layers):
+        assert torch.equal(before[layer][0][untouched], caches[layer][0][untouched])
+        assert torch.equal(before[layer][1][untouched], caches[layer][1][untouched])

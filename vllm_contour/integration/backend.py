@@ -2,7 +2,8 @@
 
 Registered over ``CPU_ATTN`` by the plugin. With eviction off it hands out vLLM's own builder and impl
 classes unchanged, so the stock path is byte-identical. With eviction on:
-- the builder finds the batch rows of compacted requests (by their first block), gives them a harmless
+- the builder finds the batch rows of compacted requests (by the block of their first new token, see
+  ``state.py``), gives them a harmless
   context for the stock kernel and builds their per-layer page tables (kept run ++ dense tail), one ragged
   row per query token: a step of several tokens on a compacted request (the rest of a prompt after its
   context was compressed, a later chunk) is causal because token i's row ends at its own position; it also
@@ -74,7 +75,7 @@ class ContourCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         except Exception as e:  # never into vLLM: the step runs as stock for every row
             logger.warning("kv_eviction: metadata for compacted rows failed (%s)", e)
             st = worker_state()
-            for req_id in list(st.key_to_req.values()):
+            for req_id in st.compacted():
                 st.forward_errors[req_id] = f"metadata: {e}"
             decode_rows = capture = None
             cm = common_attn_metadata
@@ -85,25 +86,31 @@ class ContourCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def _contour_rows(self, cm):
         st = worker_state()
-        if not st.key_to_req and not st.capture_keys:
+        if not st.step_keys:
             return None, None, cm
         n = cm.num_reqs
-        first_blocks = cm.block_table_tensor[:n, 0].tolist()
+        bs = self.block_size
         qsl = cm.query_start_loc_cpu if hasattr(cm, "query_start_loc_cpu") else cm.query_start_loc
         qsl = qsl[: n + 1].tolist()
         seq_lens = cm.seq_lens[:n].tolist()
+        # each row's key: the block that receives its first new token (one request's own block)
+        first_pos = [seq_lens[r] - (qsl[r + 1] - qsl[r]) for r in range(n)]
+        width = cm.block_table_tensor.shape[1]
+        cols = torch.tensor([min(p // bs, width - 1) for p in first_pos], dtype=torch.int64)
+        keys = cm.block_table_tensor[torch.arange(n), cols].tolist() if n else []
         rows, cap_idx, owners = [], [], []
-        for r, key in enumerate(first_blocks):
-            cap = st.capture_keys.get(key)
-            if cap is not None:
-                q_len = qsl[r + 1] - qsl[r]
-                first_pos = seq_lens[r] - q_len  # positions of this row: [first_pos, seq_len)
-                a, b = max(cap.start, first_pos), min(cap.end, seq_lens[r])
+        for r, key in enumerate(keys):
+            req_id = st.step_keys.get(key)
+            if req_id is None:
+                continue
+            cap = st.captures.get(req_id)
+            if cap is not None:  # positions of this row: [first_pos, seq_len)
+                a, b = max(cap.start, first_pos[r]), min(cap.end, seq_lens[r])
                 if a < b:
                     owners.append((cap.req_id, len(cap_idx), b - a, a))
-                    cap_idx.extend(range(qsl[r] + (a - first_pos), qsl[r] + (b - first_pos)))
-            req_id = st.key_to_req.get(key)
-            if req_id is not None:
+                    cap_idx.extend(range(qsl[r] + (a - first_pos[r]), qsl[r] + (b - first_pos[r])))
+            rs = st.requests.get(req_id)
+            if rs is not None and rs.layout is not None:
                 rows.append((r, req_id))
         capture = CaptureRows(torch.tensor(cap_idx, dtype=torch.int64), owners) if owners else None
         decode_rows = None

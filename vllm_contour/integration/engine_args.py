@@ -4,9 +4,10 @@
 vLLM has no API for a general plugin to add CLI flags. The plugin wraps three EngineArgs methods:
 ``add_cli_args`` (adds the flag group; ``AsyncEngineArgs.add_cli_args`` loads plugins right before it
 calls this), ``from_cli_args`` (folds the flags into ``additional_config``) and ``create_engine_config``
-(validates, then sets the KV connector and the plugin's scheduler class, turns prefix caching off and
-picks a small block size; once vLLM has built the config, checks the budget against the model's cache:
-a budget below the per-head floor stops the server with a message naming the floor and its flags).
+(validates, then sets the KV connector and the plugin's scheduler class and picks a small block size;
+prefix caching stays as vLLM sets it, on by default; once vLLM has built the config, checks the budget
+against the model's cache: a budget below the per-head floor stops the server with a message naming the
+floor and its flags).
 """
 
 from __future__ import annotations
@@ -131,13 +132,6 @@ def prepare_engine_args(engine_args) -> EvictionConfig:
                 raise EvictionConfigError(
                     f"--kv-transfer-config: KV connector {name!r} cannot be combined with "
                     "--kv-eviction-policy (the eviction plugin installs its own connector)")
-        if engine_args.enable_prefix_caching:
-            raise EvictionConfigError(
-                "--enable-prefix-caching cannot be combined with --kv-eviction-policy yet "
-                "(compaction rewrites prompt blocks in place); drop the flag, the plugin turns it off")
-        if engine_args.enable_prefix_caching is None:
-            engine_args.enable_prefix_caching = False
-            logger.info("kv_eviction: prefix caching turned off (eviction compacts prompt blocks in place)")
         if engine_args.block_size is None:
             engine_args.block_size = DEFAULT_EVICTION_BLOCK_SIZE
             logger.info("kv_eviction: block size %d (budgets are handed out in whole pages)",

@@ -18,7 +18,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 COUNTERS = {
     "evicted_requests": "Requests compacted for the first time (prompt end or first decode round)",
     "rounds": "Eviction rounds run (prompt end and decode time)",
-    "freed_blocks": "KV blocks returned to vLLM's pool by eviction",
+    "freed_blocks": "KV blocks returned to vLLM's pool by eviction (their reference count reached 0)",
+    "private_blocks": "Private KV blocks rounds packed kept pages into, instead of blocks hashed for prefix "
+                      "caching or shared with other requests",
+    "deferred_rounds": "Rounds put off a step because the pool had no room for their private blocks",
     "stale_reports": "Eviction reports ignored (request finished or preempted meanwhile)",
     "policy_seconds": "Worker time spent planning rounds (scoring, allocation, layout)",
     "compact_seconds": "Worker time spent moving kept tokens and storing moments",

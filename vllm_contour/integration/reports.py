@@ -4,10 +4,15 @@ Scheduler -> workers (``ContourMetadata``): the rounds to run after this step's 
 to capture, the requests to forget. Workers -> scheduler (``ContourReport``): the outcome of every round
 item on every rank, and the requests whose output of this step is wrong.
 
+Every step the scheduler also sends each scheduled request's row key (the block of its first new token)
+and epoch (``keys``, see ``state.py``).
+
 An outcome is a dict: ``{"kind": "round", "seq", "region_blocks", "kept_blocks", "freed": [(slot,
-block_id), ...]}``, ``{"kind": "noop", "seq"}`` (nothing to evict), ``{"kind": "plan_failed", "seq",
+block_id), ...], "replaced": [(slot, old_id, new_id), ...]}`` (``replaced``: the round packed into private
+blocks, which take those slots), ``{"kind": "noop", "seq"}`` (nothing to evict), ``{"kind": "plan_failed", "seq",
 "reason"}`` (nothing moved) or ``{"kind": "recompute", "seq", "reason"}`` (bytes moved, then it failed).
-Ranks merge (``aggregate``): a block is freed only when every rank freed it; ranks that disagree on the
+Ranks merge (``aggregate``): a block is freed only when every rank freed it, a slot is replaced when any
+rank wrote into its private block; ranks that disagree on the
 outcome or the region make the request recompute (their caches no longer describe one request).
 """
 
@@ -25,6 +30,7 @@ class ContourMetadata(KVConnectorMetadata):
     rounds: list[RoundItem] = field(default_factory=list)
     capture: list[CaptureItem] = field(default_factory=list)
     dropped: set[str] = field(default_factory=set)
+    keys: dict[str, tuple[int, int]] = field(default_factory=dict)  # req -> (row key block, epoch)
 
 
 def merge_outcomes(a: dict, b: dict) -> dict:
@@ -40,9 +46,11 @@ def merge_outcomes(a: dict, b: dict) -> dict:
     if a["region_blocks"] != b["region_blocks"]:
         return {"kind": "recompute", "seq": a["seq"], "reason": "ranks disagree on the compacted region"}
     mine = {tuple(x) for x in b["freed"]}
+    replaced = {x[0]: tuple(x) for x in list(a.get("replaced", ())) + list(b.get("replaced", ()))}
     return {"kind": "round", "seq": a["seq"], "region_blocks": a["region_blocks"],
             "kept_blocks": max(a["kept_blocks"], b["kept_blocks"]),
-            "freed": [tuple(x) for x in a["freed"] if tuple(x) in mine]}
+            "freed": [tuple(x) for x in a["freed"] if tuple(x) in mine and x[0] not in replaced],
+            "replaced": sorted(replaced.values())}
 
 
 class ContourReport(KVConnectorWorkerMetadata):

@@ -7,6 +7,9 @@ connector cannot do alone.
 - A request whose round failed after bytes moved (its cache no longer matches any layout) is preempted and
   recomputed from its tokens, without eviction; its output so far is kept (it was computed before the
   round ran).
+- A prefix-cache hit of a query-aware request is limited so that the observation window of its first round
+  is computed (``_get_local_prefix_cache_hit``; ``SchedulerSide.limit_hit``): the window's queries are
+  what the policy scores with, and a hit would skip them.
 - A prefill chunk of a request with a context boundary (``kv_context_len``, query-agnostic) stops at the
   boundary, so the context is compressed before the question is computed (``_reserve_prefill_lookahead``
   is the per-request chunk-size hook vLLM's scheduler calls for running and waiting requests alike).
@@ -35,6 +38,17 @@ class ContourScheduler(Scheduler):
         n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         side = self._contour_side()
         return n if side is None else side.cap_chunk(request, num_computed_tokens, n)
+
+    def _get_local_prefix_cache_hit(self, request):
+        blocks, n, boundary, diverged = super()._get_local_prefix_cache_hit(request)
+        side = self._contour_side()
+        if side is None or n == 0:
+            return blocks, n, boundary, diverged
+        m = side.limit_hit(request, n)
+        if m < n:  # limit_hit returns whole blocks
+            blocks = self.kv_cache_manager.truncate_computed_blocks(blocks, m)
+            n = m
+        return blocks, n, boundary, diverged
 
     def update_from_output(self, scheduler_output, model_runner_output):
         side = self._contour_side()

@@ -10,6 +10,16 @@ Every step (``build_meta``), for each scheduled request that evicts:
 - the blocks it holds (vLLM's own block list minus the null blocks eviction put in) are sampled for the
   mean / peak KV metrics.
 
+Prefix caching (on by default, as in vLLM): a round never writes into a block another request can hit. When
+any of a round's blocks carries a prefix-cache hash or is shared (reference count > 1), the scheduler
+allocates private blocks for it from vLLM's pool; the worker reads the originals and packs the kept pages
+into the private blocks, which take the first slots; every original is released with its hash (a later
+request can still hit the dense prompt while it stays in the pool) and "freed" counts only the blocks whose
+reference count reaches 0. After its first round a request's blocks are no longer hashed (their KV was
+computed over a compressed cache, so a hit on them would not reproduce a dense prefill). Query-aware
+policies need the queries of the window before their first round: a prefix hit is limited so that the
+window ``[R - W, R)`` is computed (``limit_hit``).
+
 Reports (``apply``) come back in the same step: the listed logical blocks are replaced by vLLM's null block
 and freed, exactly as vLLM's sliding-window managers free blocks mid-request; a report for a request that
 finished, was preempted or moved on meanwhile is stale and ignored. A round that failed before any byte
@@ -57,6 +67,12 @@ class Tracked:
     held_n: int = 0
     held_peak: int = 0
     prefill_tried: bool = False
+    epoch: int = 0  # bumped whenever the request starts over; the worker drops its old state then
+    fresh: tuple[int, list] | None = None  # (seq, private blocks) of the round in flight
+
+
+# a request whose blocks vLLM must not hash any more (see the module docstring)
+_NO_MORE_HASHING = 1 << 40
 
 
 @dataclass
@@ -67,6 +83,7 @@ class SchedulerTotals:
     evicted_requests: int = 0
     rounds: int = 0
     freed_blocks: int = 0
+    private_blocks: int = 0  # blocks a round packed into instead of the request's own (prefix caching)
     stale_reports: int = 0
     failures: dict[str, int] = field(default_factory=dict)
     last: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # req -> (K, E, freed) of its last round
@@ -88,6 +105,26 @@ class SchedulerSide:
 
     def bind(self, kv_cache_manager: "KVCacheManager") -> None:
         self.manager = kv_cache_manager
+
+    @property
+    def _caching(self) -> bool:
+        return bool(self.manager is not None and self.manager.block_pool.enable_caching)
+
+    def limit_hit(self, request: "Request", num_hit_tokens: int) -> int:
+        """How many of a new request's prefix-cache hit tokens it may use: a query-aware policy whose first
+        round is due at ``R`` (the prompt end or the context boundary) recomputes at least its window
+        ``[R - W, R)``, so the round has the window's queries. Others use the whole hit."""
+        try:
+            t = self._track(request)
+            if t.params is None or not t.needs_queries or num_hit_tokens == 0:
+                return num_hit_tokens
+            r = self._next_round(t)
+            if r is None:
+                return num_hit_tokens
+            limit = max(0, r - t.params.window) // self.block_size * self.block_size
+            return min(num_hit_tokens, limit)
+        except Exception:
+            return num_hit_tokens
 
     # ------------------------------------------------------------------ request life
     def on_alloc(self, request: "Request") -> None:
@@ -114,9 +151,10 @@ class SchedulerSide:
                 self._prepare(t)
         return t
 
-    @staticmethod
-    def _reset(t: Tracked, request: "Request") -> None:
+    def _reset(self, t: Tracked, request: "Request") -> None:
         """A (re)admitted request prefills from scratch: nothing compacted, nothing in flight."""
+        self._release_fresh(t)
+        t.epoch += 1
         t.request = request
         t.prefill_end = request.num_tokens
         t.compacted, t.region_blocks, t.retry_at, t.pending, t.nulled = False, 0, 0, None, 0
@@ -140,6 +178,8 @@ class SchedulerSide:
 
     def finished(self, request: "Request") -> None:
         t = self.tracked.pop(request.request_id, None)
+        if t is not None:
+            self._release_fresh(t)
         if t is not None and t.params is not None and t.held_n:
             self._stats.observe("request_mean_kv_tokens", t.held_sum / t.held_n)
             self._stats.observe("request_peak_kv_tokens", t.held_peak)
@@ -201,16 +241,23 @@ class SchedulerSide:
         captures: list[CaptureItem] = []
         scheduled = [r.req_id for r in scheduler_output.scheduled_new_reqs]
         scheduled += list(scheduler_output.scheduled_cached_reqs.req_ids)
+        keys: dict[str, tuple[int, int]] = {}
         for req_id in scheduled:
             t = self.tracked.get(req_id)
-            if t is None or t.params is None:
+            if t is None or (t.params is None and not t.compacted):
                 continue
             try:
-                self._step_request(t, scheduler_output.num_scheduled_tokens.get(req_id, 0), rounds, captures)
+                # the row key: the block receiving the request's first new token of this step
+                blocks = self._blocks(req_id)
+                i = t.request.num_computed_tokens // self.block_size
+                if i < len(blocks) and not blocks[i].is_null:
+                    keys[req_id] = (blocks[i].block_id, t.epoch)
+                if t.params is not None:
+                    self._step_request(t, scheduler_output.num_scheduled_tokens.get(req_id, 0), rounds, captures)
             except Exception as e:
                 self._fail(req_id, "metadata", e)
                 t.params = None
-        return ContourMetadata(rounds=rounds, capture=captures, dropped=dropped)
+        return ContourMetadata(rounds=rounds, capture=captures, dropped=dropped, keys=keys)
 
     def _step_request(self, t: Tracked, n_sched: int, rounds: list, captures: list) -> None:
         req = t.request
@@ -229,16 +276,42 @@ class SchedulerSide:
             return
         w = t.params.window
         if t.needs_queries and start < r and done > r - w:
-            captures.append(CaptureItem(req.request_id, blocks[0].block_id, max(start, r - w), min(done, r), w))
+            captures.append(CaptureItem(req.request_id, max(start, r - w), min(done, r), w))
         boundary = self._boundary(t)
         if done >= r and (done >= req.num_tokens or (boundary is not None and done == boundary)) \
                 and t.pending is None:
+            fresh = None
+            if self._shared(blocks, done):
+                n = max(1, t.budget.kept_blocks)
+                pool = self.manager.block_pool
+                if pool.get_num_free_blocks() < n:  # no room for private blocks now: try at a later step
+                    self._stats.add("deferred_rounds", 1)
+                    return
+                fresh = pool.get_new_blocks(n)
             t.seq += 1
             t.pending = t.seq
+            if fresh is not None:
+                t.fresh = (t.seq, fresh)
             if not t.compacted:
                 t.prefill_tried = True
             rounds.append(RoundItem(req_id=req.request_id, block_ids=[b.block_id for b in blocks],
-                                    num_tokens=done, params=t.params, seq=t.seq))
+                                    num_tokens=done, params=t.params, seq=t.seq,
+                                    fresh_ids=None if fresh is None else [b.block_id for b in fresh]))
+
+    def _shared(self, blocks, num_tokens: int) -> bool:
+        """Does any full block a round may rewrite carry a prefix-cache hash or another reference?"""
+        return any(not b.is_null and (b.block_hash is not None or b.ref_cnt > 1)
+                   for b in blocks[: num_tokens // self.block_size])
+
+    def _release_fresh(self, t: Tracked, keep: set[int] = frozenset()) -> None:
+        """Give back the private blocks of the round in flight (all but ``keep``, block ids)."""
+        if t.fresh is None:
+            return
+        _, fresh = t.fresh
+        t.fresh = None
+        back = [b for b in fresh if b.block_id not in keep]
+        if back:
+            self.manager.block_pool.free_blocks(back)
 
     def _blocks(self, req_id: str):
         return self.manager.coordinator.single_type_managers[0].req_to_blocks.get(req_id, [])
@@ -262,7 +335,10 @@ class SchedulerSide:
             self._stats.add("stale_reports", 1)
             return
         t.pending = None
+        fresh = t.fresh[1] if t.fresh is not None and t.fresh[0] == out.get("seq") else []
         kind = out["kind"]
+        if kind != "round":
+            self._release_fresh(t)
         if kind == "noop":
             if not t.compacted:
                 t.retry_at = (t.retry_at or req.num_computed_tokens) + max(t.interval, self.block_size)
@@ -279,15 +355,30 @@ class SchedulerSide:
         blocks = self._blocks(req_id)
         pool = self.manager.block_pool
         frees = out["freed"]
-        if any(s >= len(blocks) or blocks[s].is_null or blocks[s].block_id != b for s, b in frees):
+        replaced = out.get("replaced") or []
+        by_id = {b.block_id: b for b in fresh}
+        if any(s >= len(blocks) or blocks[s].is_null or blocks[s].block_id != b for s, b in frees) or \
+                any(s >= len(blocks) or blocks[s].block_id != old or new not in by_id for s, old, new in replaced):
+            self._release_fresh(t)
             self.totals.stale_reports += 1
             self._stats.add("stale_reports", 1)
             return
-        freed = [blocks[s] for s, _ in frees]
+        released = [blocks[s] for s, _ in frees] + [blocks[s] for s, _, _ in replaced]
         for s, _ in frees:
             blocks[s] = pool.null_block
-        pool.free_blocks(freed)
-        t.nulled += len(freed)
+        for s, _, new in replaced:
+            blocks[s] = by_id[new]
+        self._release_fresh(t, keep={new for _, _, new in replaced})
+        pool.free_blocks(released)
+        # freed: blocks whose last reference this was (a shared or cached-prefix block stays with others)
+        freed = [b for b in released if b.ref_cnt == 0]
+        t.nulled += len(frees)
+        if replaced:
+            self.totals.private_blocks += len(replaced)
+            self._stats.add("private_blocks", len(replaced))
+        if self._caching:  # its blocks now hold KV computed over a compressed cache: never hash them
+            mgr = self.manager.coordinator.single_type_managers[0]
+            mgr.num_cached_block[req_id] = _NO_MORE_HASHING
         if not t.compacted:
             self.totals.evicted_requests += 1
             self._stats.add("evicted_requests", 1)

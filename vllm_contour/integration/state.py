@@ -5,11 +5,13 @@ capture items at the start of a step, the requests' layouts after a round); the 
 to route compacted decode rows to the ragged op and to find the rows whose queries must be captured; the
 attention impl stages those queries during the forward.
 
-Rows are matched to requests by the physical id of the request's first block (``block_table[row, 0]``).
-With prefix caching off (the plugin turns it off when eviction is on) every block belongs to one request;
-a round packs the kept pages into the lowest logical blocks first, so block 0 of a request is never freed
-while it runs; finished and preempted requests are dropped at the start of the next step, before any
-metadata is built.
+Rows are matched to requests by the block that receives the row's first new token
+(``block_table[row, first_position // block_size]``): the scheduler sends that block's id for every
+scheduled request each step. A block that receives new KV belongs to one request (prefix caching shares
+only full, already computed blocks), so the key is unique in the batch even when requests share a cached
+prefix; a request's first block is not (two requests that hit the same cached prefix both start with it).
+Finished and preempted requests are dropped at the start of the next step, before any metadata is built;
+a request that starts over (re-admitted after preemption) comes with a new epoch and its old state goes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ class RoundItem:
     num_tokens: int  # tokens with KV after this step
     params: RequestEviction
     seq: int  # round number of the request (reports carry it back; stale ones are ignored)
+    # private blocks to pack the kept pages into (some of the request's blocks are hashed for prefix caching
+    # or shared with another request): the round reads the originals and writes only these; None: in place
+    fresh_ids: list[int] | None = None
 
 
 @dataclass
@@ -39,7 +44,6 @@ class CaptureItem:
     ``[start, end)`` (absolute positions) of its next round; copy those queries in every layer."""
 
     req_id: str
-    key_block: int
     start: int
     end: int
     window: int  # queries the request's ring keeps
@@ -84,7 +88,7 @@ class QueryRing:
 @dataclass
 class RequestState:
     req_id: str
-    key_block: int
+    epoch: int = 0
     layout: RequestLayout | None = None
     ring: QueryRing | None = None
 
@@ -114,9 +118,9 @@ class CaptureRows:
 class WorkerState:
     def __init__(self) -> None:
         self.requests: dict[str, RequestState] = {}
-        self.key_to_req: dict[int, str] = {}  # first block -> request with a layout
+        self.step_keys: dict[int, str] = {}  # this step: block of a row's first new token -> request
         self.rounds_now: dict[str, RoundItem] = {}
-        self.capture_keys: dict[int, CaptureItem] = {}
+        self.captures: dict[str, CaptureItem] = {}  # this step's capture items, by request
         self.layer_index: dict[str, int] = {}
         # queries staged by the impl during this step's forward: layer -> [n, Hq, D]
         self.staged: dict[int, torch.Tensor] = {}
@@ -125,26 +129,22 @@ class WorkerState:
         self.forward_errors: dict[str, str] = {}
 
     def drop(self, req_id: str) -> None:
-        rs = self.requests.pop(req_id, None)
-        if rs is not None and self.key_to_req.get(rs.key_block) == req_id:
-            del self.key_to_req[rs.key_block]
+        self.requests.pop(req_id, None)
         self.rounds_now.pop(req_id, None)
 
-    def state_for(self, req_id: str, key_block: int) -> RequestState:
+    def state_for(self, req_id: str, epoch: int | None = None) -> RequestState:
+        """The request's state; a new epoch (the request started over) replaces the old state."""
         rs = self.requests.get(req_id)
-        if rs is None or rs.key_block != key_block:
-            if rs is not None:
-                self.drop(req_id)
-            rs = self.requests[req_id] = RequestState(req_id, key_block)
+        if rs is None or (epoch is not None and rs.epoch != epoch):
+            rs = self.requests[req_id] = RequestState(req_id, epoch or 0)
         return rs
 
     def set_layout(self, rs: RequestState, layout: RequestLayout | None) -> None:
         rs.layout = layout
-        if layout is None:
-            if self.key_to_req.get(rs.key_block) == rs.req_id:
-                del self.key_to_req[rs.key_block]
-        else:
-            self.key_to_req[rs.key_block] = rs.req_id
+
+    def compacted(self) -> list[str]:
+        """Requests whose cache is compacted (their decode rows go to the ragged op)."""
+        return [r for r, rs in self.requests.items() if rs.layout is not None]
 
     def query_buffer_bytes(self) -> int:
         return sum(rs.ring.nbytes for rs in self.requests.values() if rs.ring is not None)

@@ -140,16 +140,25 @@ class WorkerSide:
         try:
             for req_id in md.dropped:
                 st.drop(req_id)
+            st.step_keys = {}
+            for req_id, (key, epoch) in md.keys.items():
+                st.state_for(req_id, epoch)  # a request that started over loses its old state here
+                st.step_keys[key] = req_id
             st.rounds_now = {it.req_id: it for it in md.rounds}
-            st.capture_keys = {c.key_block: c for c in md.capture}
+            st.captures = {c.req_id: c for c in md.capture}
             for c in md.capture:
-                rs = st.state_for(c.req_id, c.key_block)
+                rs = st.state_for(c.req_id)
                 if rs.ring is None or rs.ring.window != c.window:
                     rs.ring = QueryRing(c.window)
             st.staged, st.staged_rows, st.forward_errors = {}, None, {}
         except Exception as e:  # never into vLLM: forget this step's work, keep serving
             logger.warning("kv_eviction: could not start the step (%s); no round this step", e)
-            st.rounds_now, st.capture_keys = {}, {}
+            st.rounds_now, st.captures = {}, {}
+            # compacted rows must still reach the ragged op; if even their keys cannot be read, they fail alone
+            try:
+                st.step_keys = {key: req_id for req_id, (key, _) in md.keys.items()}
+            except Exception:
+                st.forward_errors = {r: f"step start: {e}" for r in st.compacted()}
 
     def after_forward(self) -> None:
         st = worker_state()
@@ -160,7 +169,8 @@ class WorkerSide:
         for req_id, item in list(st.rounds_now.items()):
             self._run_round(item)
         st.rounds_now = {}
-        st.capture_keys = {}
+        st.captures = {}
+        st.step_keys = {}
         st.staged, st.staged_rows = {}, None
         self._stats.gauge("query_buffer_bytes", st.query_buffer_bytes())
 
@@ -180,7 +190,7 @@ class WorkerSide:
     def _run_round(self, item: RoundItem) -> None:
         st = worker_state()
         req_id = item.req_id
-        rs = st.state_for(req_id, item.block_ids[0])
+        rs = st.state_for(req_id)
         prev = rs.layout
         t0 = time.perf_counter()
         try:
@@ -190,7 +200,7 @@ class WorkerSide:
             queries, qpos = rs.ring.layer_queries() if rs.ring is not None else (None, None)
             plan = plan_round(self._views, item.block_ids, item.num_tokens, item.params, budget,
                               self._layer_scale(), prev=prev, queries=queries, query_positions=qpos,
-                              policy=self._policy(item.params))
+                              policy=self._policy(item.params), fresh_ids=item.fresh_ids)
         except Exception as e:
             self._report[req_id] = {"kind": "plan_failed", "seq": item.seq, "reason": f"{type(e).__name__}: {e}"}
             return
@@ -202,14 +212,19 @@ class WorkerSide:
             fail_at = 0 if self.faults.hit("apply", req_id, item.seq) else None
             layout = apply_round(self._views, plan, fail_after_layer=fail_at)
         except Exception as e:
+            reason = f"{type(e).__name__}: {e}"
+            if plan.fresh:  # only the private blocks were written: the request's cache is as it was
+                self._report[req_id] = {"kind": "plan_failed", "seq": item.seq, "reason": f"apply: {reason}"}
+                return
             st.drop(req_id)  # its cache no longer matches any layout: the scheduler recomputes it
-            self._report[req_id] = {"kind": "recompute", "seq": item.seq, "reason": f"{type(e).__name__}: {e}"}
+            self._report[req_id] = {"kind": "recompute", "seq": item.seq, "reason": reason}
             return
         t2 = time.perf_counter()
         st.set_layout(rs, layout)
         self._report[req_id] = {"kind": "round", "seq": item.seq, "region_blocks": layout.region_blocks,
                                 "kept_blocks": layout.kept_blocks,
-                                "freed": list(zip(plan.freed_slots, plan.freed_blocks))}
+                                "freed": list(zip(plan.freed_slots, plan.freed_blocks)),
+                                "replaced": plan.replaced}
         self._stats.add("policy_seconds", t1 - t0)
         self._stats.add("compact_seconds", t2 - t1)
         self._stats.add("tokens_evicted", plan.evicted_tokens / max(1, layout.num_layers * layout.num_kv_heads))

@@ -1,0 +1,29 @@
+"""How the ranks' round outcomes merge (TP/PP): freed blocks are the intersection, private-block slots the
+union (a rank that wrote into a private block needs it, even where another rank left that slot empty)."""
+
+from vllm_contour.integration.reports import ContourReport, merge_outcomes
+
+
+def _round(freed, replaced=(), region=10, kept=2):
+    return {"kind": "round", "seq": 1, "region_blocks": region, "kept_blocks": kept, "freed": list(freed),
+            "replaced": list(replaced)}
+
+
+def test_freed_is_the_intersection_and_replaced_the_union():
+    # rank a keeps 2 blocks (slots 0, 1 into private 50, 51), rank b keeps 3 (slot 2 into private 52 too)
+    a = _round([(2, 12), (3, 13), (4, 14)], [(0, 10, 50), (1, 11, 51)])
+    b = _round([(3, 13), (4, 14)], [(0, 10, 50), (1, 11, 51), (2, 12, 52)], kept=3)
+    m = merge_outcomes(a, b)
+    assert m["kind"] == "round" and m["kept_blocks"] == 3
+    assert m["freed"] == [(3, 13), (4, 14)]
+    assert m["replaced"] == [(0, 10, 50), (1, 11, 51), (2, 12, 52)]
+    assert merge_outcomes(b, a)["freed"] == [(3, 13), (4, 14)]
+
+
+def test_in_place_rounds_merge_as_before_and_disagreement_recomputes():
+    m = merge_outcomes(_round([(2, 12), (3, 13)]), _round([(3, 13)]))
+    assert m["freed"] == [(3, 13)] and m["replaced"] == []
+    assert merge_outcomes(_round([]), _round([], region=9))["kind"] == "recompute"
+    assert merge_outcomes(_round([]), {"kind": "noop", "seq": 1})["kind"] == "recompute"
+    r = ContourReport({"x": _round([(2, 12)], [(0, 10, 50)])}).aggregate(ContourReport({"x": _round([(2, 12)])}))
+    assert r.entries["x"]["replaced"] == [(0, 10, 50)] and r.entries["x"]["freed"] == [(2, 12)]
