@@ -666,6 +666,10 @@ def run_prefix_stream(llm, spec, res):
             (6, "b1", docs[1] + qs[4]), (6, "x0", docs[0] + qs[5]),
             (9, "a3", docs[0] + qs[6]), (9, "b2", docs[1] + qs[7]), (9, "s1", solo[1]),
             (1, "a0r", docs[0] + qs[0])]  # a0 again, right after it: its whole prompt is cached
+    # query-agnostic with a context boundary (key norm needs no queries): the repeat must still compute its
+    # question over the compressed context, so its hit stops at the boundary
+    agnostic = {"kv_policy": "knorm", "kv_context_len": len(docs[1])}
+    plan += [(1, "k0", docs[1] + qs[0]), (2, "k0r", docs[1] + qs[0])]
     abort = {"x0": 14}  # aborted at this step
     hits: dict[str, int] = {}  # each request's local prefix-cache hit, as the scheduler uses it
     lookup = sched._get_local_prefix_cache_hit
@@ -676,6 +680,10 @@ def run_prefix_stream(llm, spec, res):
         return out
 
     sched._get_local_prefix_cache_hit = hit
+    conn = sched.connector
+    names = ("rounds", "freed_blocks", "evicted_requests", "private_blocks")
+    t0 = {k: getattr(conn.totals, k) for k in names} if conn else {}
+    f0 = dict(conn.totals.failures) if conn else {}
     reasons: dict[str, str] = {}
     outs: dict[str, list[int]] = {}
     step = 0
@@ -685,7 +693,7 @@ def run_prefix_stream(llm, spec, res):
             pending.remove(item)
             engine.add_request(item[1], {"prompt_token_ids": item[2]},
                                SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
-                                              extra_args=extra))
+                                              extra_args=agnostic if item[1].startswith("k") else extra))
         for rid, at in abort.items():
             if at == step:
                 engine.abort_request([rid])
@@ -699,17 +707,16 @@ def run_prefix_stream(llm, spec, res):
         engine.step()
     engine.step()
     pool = sched.kv_cache_manager.block_pool
-    conn = sched.connector
+    d = {k: getattr(conn.totals, k) - t0[k] for k in names} if conn else dict.fromkeys(names, 0)
+    failures = {k: v - f0.get(k, 0) for k, v in conn.totals.failures.items() if v != f0.get(k, 0)} if conn else {}
     res["prefix_stream"] = {
         "tokens": {rid: outs.get(rid) for _, rid, _ in plan}, "reasons": reasons, "hits": hits,
         "prompt_lens": {rid: len(p) for _, rid, p in plan}, "aborted": sorted(abort),
         "free_end": pool.get_num_free_blocks(), "num_blocks": pool.num_gpu_blocks,
         "manager_reqs_left": len(sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks),
         "worker_requests_left": sorted(worker_state().requests),
-        "rounds": conn.totals.rounds if conn else 0, "freed": conn.totals.freed_blocks if conn else 0,
-        "evicted_requests": conn.totals.evicted_requests if conn else 0,
-        "private_blocks": conn.totals.private_blocks if conn else 0,
-        "failures": conn.totals.failures if conn else {},
+        "rounds": d["rounds"], "freed": d["freed_blocks"], "evicted_requests": d["evicted_requests"],
+        "private_blocks": d["private_blocks"], "failures": failures,
         "prefix_caching": bool(pool.enable_caching),
     }
 

@@ -16,9 +16,9 @@ allocates private blocks for it from vLLM's pool; the worker reads the originals
 into the private blocks, which take the first slots; every original is released with its hash (a later
 request can still hit the dense prompt while it stays in the pool) and "freed" counts only the blocks whose
 reference count reaches 0. After its first round a request's blocks are no longer hashed (their KV was
-computed over a compressed cache, so a hit on them would not reproduce a dense prefill). Query-aware
-policies need the queries of the window before their first round: a prefix hit is limited so that the
-window ``[R - W, R)`` is computed (``limit_hit``).
+computed over a compressed cache, so a hit on them would not reproduce a dense prefill). A prefix hit is
+limited (``limit_hit``) so that a context boundary still to compress is reached by the prefill, and so
+that query-aware policies compute the window ``[R - W, R)`` whose queries they score with.
 
 Reports (``apply``) come back in the same step: the listed logical blocks are replaced by vLLM's null block
 and freed, exactly as vLLM's sliding-window managers free blocks mid-request; a report for a request that
@@ -111,18 +111,23 @@ class SchedulerSide:
         return bool(self.manager is not None and self.manager.block_pool.enable_caching)
 
     def limit_hit(self, request: "Request", num_hit_tokens: int) -> int:
-        """How many of a new request's prefix-cache hit tokens it may use: a query-aware policy whose first
-        round is due at ``R`` (the prompt end or the context boundary) recomputes at least its window
-        ``[R - W, R)``, so the round has the window's queries. Others use the whole hit."""
+        """How many of a new request's prefix-cache hit tokens it may use (whole blocks). A request with a
+        context boundary ``C`` still to compress computes from ``C`` on at the latest (its question must be
+        computed over the compressed context, as on an engine without prefix caching); a query-aware policy
+        whose first round is due at ``R`` (the prompt end or ``C``) also computes its window ``[R - W, R)``,
+        whose queries it scores with. Other requests use the whole hit."""
         try:
             t = self._track(request)
-            if t.params is None or not t.needs_queries or num_hit_tokens == 0:
+            if t.params is None or num_hit_tokens == 0:
                 return num_hit_tokens
+            limit = num_hit_tokens
+            c = self._boundary(t)
+            if c is not None:
+                limit = min(limit, c)
             r = self._next_round(t)
-            if r is None:
-                return num_hit_tokens
-            limit = max(0, r - t.params.window) // self.block_size * self.block_size
-            return min(num_hit_tokens, limit)
+            if t.needs_queries and r is not None:
+                limit = min(limit, max(0, r - t.params.window))
+            return limit // self.block_size * self.block_size if limit < num_hit_tokens else num_hit_tokens
         except Exception:
             return num_hit_tokens
 

@@ -1,0 +1,29 @@
+from benchmarks.shared_doc import build_document, grade, server_flags
+
+
+def test_document_keeps_every_fact_in_order_and_every_passage_token():
+    passage = list(range(100, 200))
+    facts = [[1, 2], [3], [4, 5, 6]]
+    doc = build_document(passage, facts)
+    assert len(doc) == 100 + 6
+    assert [t for t in doc if t >= 100] == passage
+    pos = [doc.index(f[0]) for f in facts]
+    assert pos == sorted(pos) and pos[0] > 0 and pos[-1] < len(doc) - 3
+
+
+def test_grade_takes_the_first_four_digit_number_exactly():
+    assert grade(" 4821.", "4821") and grade(" 4821 and 1234", "4821")
+    assert not grade(" 1234, not 4821", "4821")
+    assert not grade(" 48210", "4821") and not grade(" 482", "4821") and not grade(" none", "4821")
+
+
+def test_configs_differ_only_in_eviction_and_prefix_caching():
+    class O:
+        block_size, pool, policy, budget = 32, 128, "snapkv", 128
+
+    a = server_flags({"evict": False, "prefix": True}, O, 2400)
+    b = server_flags({"evict": True, "prefix": True}, O, 2400)
+    c = server_flags({"evict": True, "prefix": False}, O, 2400)
+    assert "--enable-prefix-caching" in a and "--kv-eviction-policy" not in a
+    assert b[: len(a)] == a and b[len(a):] == ["--kv-eviction-policy", "snapkv", "--kv-budget", "128"]
+    assert "--no-enable-prefix-caching" in c
