@@ -168,10 +168,11 @@ def evicting_torch_ops(model_dir):
 # multiprocess executor, against the same model on one rank.
 # Each rank budgets its own heads (local heads x budget // block pages per layer), so one rank with 2 heads
 # and two ranks with 1 head keep the same pages per head; 64 tokens per head give 2 pages per head on both.
-# Generations long enough for decode-time rounds (every 32 generated tokens).
+# Generations long enough for decode-time rounds (every 32 generated tokens). Prefix caching is on: each
+# prompt is sent twice (evicting and not), so the ranks also pack rounds into private blocks and merge them.
 PAR_LENGTHS = [192, 320, 480]
 PAR_MAX_TOKENS = 120
-TINY_LLM = dict(dtype="float32", enforce_eager=True, block_size=32, enable_prefix_caching=False,
+TINY_LLM = dict(dtype="float32", enforce_eager=True, block_size=32, enable_prefix_caching=True,
                 max_model_len=1024, num_gpu_blocks_override=64, max_num_seqs=16, seed=0, skip_tokenizer_init=True,
                 additional_config={"kv_eviction": {"policy": "streaming", "budget": 64, "decode_interval": 32}})
 

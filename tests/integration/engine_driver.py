@@ -274,7 +274,7 @@ def run_parallel(llm, spec, res):
     prompts = _prompts(spec.get("par_vocab", 512), lengths, 11)
     engine = llm.llm_engine
     conn = _core(llm).scheduler.connector
-    f0, freed0 = _free(llm), conn.totals.freed_blocks
+    f0, freed0, private0 = _free(llm), conn.totals.freed_blocks, conn.totals.private_blocks
     labels = []
     for i, p in enumerate(prompts):
         for tag, extra in (("evict", None), ("keep", {"kv_budget": 100000})):
@@ -286,6 +286,7 @@ def run_parallel(llm, spec, res):
     last = {k.split("-")[0]: list(v) for k, v in conn.totals.last.items() if k.split("-")[0] in labels}
     res["parallel"] = {"tokens": {k: outs.get(k) for k in labels}, "lengths": lengths,
                        "freed_blocks": conn.totals.freed_blocks - freed0, "reports": last,
+                       "private_blocks": conn.totals.private_blocks - private0,
                        "rounds": conn.totals.rounds,
                        "free_before": f0, "free_end": _free(llm)}
 

@@ -1,6 +1,7 @@
 """Eviction under vLLM's tensor parallelism (TP=2, multiprocess executor, CPU): each rank evicts its own KV
 heads, at the prompt end and in decode-time rounds; the scheduler merges the ranks' reports (a block is
-freed only when every rank freed it) and decoding matches one rank."""
+freed only when every rank freed it, a private block kept when any rank wrote into it) and decoding matches
+one rank."""
 
 
 def test_tensor_parallel_eviction_matches_one_rank(tiny_tp1, tiny_tp2):
@@ -20,5 +21,7 @@ def test_tensor_parallel_eviction_matches_one_rank(tiny_tp1, tiny_tp2):
     assert two["reports"] == one["reports"]  # (K, E, freed) of each request's last round, merged over ranks
     assert all(one["reports"][k][2] > 0 for k in evict), one["reports"]
     assert two["freed_blocks"] == one["freed_blocks"] > 0
+    # prefix caching on: the rounds over hashed blocks packed into private blocks, merged over the ranks
+    assert two["private_blocks"] == one["private_blocks"] > 0
     # everything returned to vLLM's pool at the end
     assert two["free_end"] == two["free_before"] and one["free_end"] == one["free_before"]
