@@ -302,10 +302,25 @@ def render_soak(runs: list[tuple[str, dict]]) -> str:
     return "\n\n".join(provenance(res, "soak", src) + "\n\n" + summary_markdown(res) for src, res in runs)
 
 
+def render_shared_doc(runs: list[tuple[str, dict]]) -> str:
+    from benchmarks.shared_doc import table
+
+    out = []
+    for src, res in runs:
+        a = res["args"]
+        load = [x for r in res["runs"] for x in r.get("loadavg", [])]
+        out += [provenance(res, "shared_doc", src) + f" — a {res['doc_tokens']}-token document, {len(res['codes'])} "
+                f"questions; concurrent phase: all at once, {a['output_len']} tokens each; {a['policy']} at "
+                f"{a['budget']} tokens per head, T 64"
+                + (f" (host load {min(load):.1f}–{max(load):.1f})" if load else ""), "", table(res), ""]
+    return "\n".join(out).rstrip("\n")
+
+
 RENDERERS: dict[str, Callable[[list[tuple[str, dict]]], str]] = {
     "passkey": render_passkey, "serving": render_serving, "audit": render_audit, "ruler": render_ruler,
     "seed_claims": render_seed_claims, "perplexity": render_perplexity, "ops": render_ops,
     "decode_rounds": render_decode_rounds, "perplexity_long": render_perplexity_long, "soak": render_soak,
+    "shared_doc": render_shared_doc,
 }
 
 

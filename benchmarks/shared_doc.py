@@ -211,19 +211,28 @@ def main(argv=None) -> int:
     record = stamp({"args": vars(opts), "doc_tokens": len(doc), "rooms": rooms, "codes": codes,
                     "host": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}, "runs": []},
                    argv if argv is not None else sys.argv[1:])
+    t0 = time.time()
     for name in opts.configs.split(","):
         record["runs"].append(run_config(name, CONFIGS[name], opts, doc, questions, codes, out, env))
+        record["wall_seconds"] = time.time() - t0
         (out / "shared_doc.json").write_text(json.dumps(record, indent=1))
+    print(table(record))
+    return 0
+
+
+def table(record: dict) -> str:
+    """The markdown table of one run: per configuration, TTFT of the first question and the mean of the
+    others (and their ratio), answers right, then the concurrent phase against ``stock_pc``."""
     base = next((r for r in record["runs"] if r["name"] == "stock_pc"), None)
+    n = len(record["codes"])
     rows = []
     for r in record["runs"]:
         ratio = None if base is None else r["output_tok_s"] / base["output_tok_s"]
-        rows.append([r["name"], r["ttft_first_s"], r["ttft_rest_mean_s"], r["ttft_rest_over_first"],
-                     f"{r['right']}/{len(questions)}", r["output_tok_s"], ratio, r["peak_running"],
-                     r["preemptions"], r["mean_kv_tokens"]])
-    print(md_table(["config", "TTFT 1st s", "TTFT 2-16 s", "ratio", "right", "out tok/s", "vs stock_pc",
-                    "peak running", "preempt", "mean KV/head"], rows))
-    return 0
+        rows.append([r["name"], record["args"]["pool"], r["ttft_first_s"], r["ttft_rest_mean_s"],
+                     r["ttft_rest_over_first"], f"{r['right']}/{n}", r["output_tok_s"], ratio,
+                     r["peak_running"], r["mean_running"], r["preemptions"], r["mean_kv_tokens"]])
+    return md_table(["config", "pool", "TTFT 1st s", f"TTFT 2-{n} s", "ratio", "right", "out tok/s",
+                     "x stock_pc", "peak running", "mean running", "preemptions", "mean KV/head"], rows)
 
 
 if __name__ == "__main__":

@@ -115,3 +115,21 @@ def test_passkey_block_states_the_cost_of_computing_the_question_over_the_compre
     assert "agn / so" not in report.regenerate(
         f"<!-- results:passkey {_write(tmp_path, 'p2.json', _passkey())} -->\n<!-- /results:passkey -->\n",
         tmp_path)[0]
+
+
+def test_shared_doc_block_states_the_ratios_against_stock_with_prefix_caching():
+    from benchmarks.report import render_shared_doc
+
+    def run(name, first, rest, tok_s, right, kv):
+        return {"name": name, "ttft_first_s": first, "ttft_rest_mean_s": rest, "ttft_rest_over_first": rest / first,
+                "right": right, "output_tok_s": tok_s, "peak_running": 16.0, "mean_running": 9.0, "preemptions": 0.0,
+                "mean_kv_tokens": kv, "loadavg": [1.5, 2.5]}
+
+    res = {"argv": ["--pool", "160"], "date": "2026-12-01", "doc_tokens": 2000, "codes": ["1234"] * 16,
+           "args": {"pool": 160, "output_len": 256, "policy": "snapkv", "budget": 128},
+           "runs": [run("stock_pc", 12.0, 0.4, 40.0, 1, None), run("evict_pc", 12.0, 1.2, 60.0, 0, 183.0)]}
+    md = render_shared_doc([("x.json", res)])
+    assert "python -m benchmarks.shared_doc --pool 160" in md and "host load 1.5–2.5" in md
+    row = next(line for line in md.splitlines() if line.startswith("| evict_pc"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "160" and cells[4] == "0.10" and cells[5] == "0/16" and cells[7] == "1.50"
