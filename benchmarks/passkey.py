@@ -69,6 +69,7 @@ def run(args) -> dict:
 
     model = str(fetch_model(args.model, quiet=True))
     llm = LLM(model, dtype="float32", enforce_eager=True, max_model_len=4096, seed=0,
+              enable_prefix_caching=False,  # every configuration prefills the same prompts
               additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}})
     tok = llm.get_tokenizer()
     conn = llm.llm_engine.engine_core.engine_core.scheduler.connector

@@ -309,6 +309,7 @@ def run(args) -> dict:
     t0 = time.time()
     model = str(fetch_model(args.model, quiet=True))
     llm = LLM(model, dtype="float32", enforce_eager=True, max_model_len=4096, seed=0, block_size=32,
+              enable_prefix_caching=False,  # every configuration prefills the same prompts
               additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}})
     conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
     samples = recall_samples(llm.get_tokenizer(), args.per_play, args.context, args.cue, args.generated,

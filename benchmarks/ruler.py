@@ -328,6 +328,7 @@ def run_engine(model: str, samples: list[dict], configs: list[dict], progress: b
     from vllm import LLM, SamplingParams
 
     llm = LLM(model, dtype="float32", enforce_eager=True, max_model_len=4096, seed=0,
+              enable_prefix_caching=False,  # every configuration prefills the same prompts
               additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}})
     core = llm.llm_engine.engine_core.engine_core
     sched = core.scheduler
