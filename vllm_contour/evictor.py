@@ -50,14 +50,14 @@ class RoundPlan:
     prev: RequestLayout | None
     evicted_tokens: int  # over all layers and heads
     replaced: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, original id, fresh id)
+    seconds: float = 0.0
+    stats: dict = field(default_factory=dict)
 
     @property
     def fresh(self) -> bool:
         """The round writes only private blocks: a failure while applying leaves the request's cache as
         it was."""
         return bool(self.replaced)
-    seconds: float = 0.0
-    stats: dict = field(default_factory=dict)
 
 
 def plan_round(caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], num_tokens: int,

@@ -7,9 +7,10 @@ connector cannot do alone.
 - A request whose round failed after bytes moved (its cache no longer matches any layout) is preempted and
   recomputed from its tokens, without eviction; its output so far is kept (it was computed before the
   round ran).
-- A prefix-cache hit of a query-aware request is limited so that the observation window of its first round
-  is computed (``_get_local_prefix_cache_hit``; ``SchedulerSide.limit_hit``): the window's queries are
-  what the policy scores with, and a hit would skip them.
+- A prefix-cache hit is cut where a round needs the tokens computed (``_get_local_prefix_cache_hit``;
+  ``SchedulerSide.limit_hit``): a query-aware request computes the observation window of its first round
+  (the queries its policy scores with), a request with a context boundary still to compress prefills from
+  that boundary (its question is computed over the compressed context).
 - A prefill chunk of a request with a context boundary (``kv_context_len``, query-agnostic) stops at the
   boundary, so the context is compressed before the question is computed (``_reserve_prefill_lookahead``
   is the per-request chunk-size hook vLLM's scheduler calls for running and waiting requests alike).

@@ -139,9 +139,6 @@ class WorkerState:
             rs = self.requests[req_id] = RequestState(req_id, epoch or 0)
         return rs
 
-    def set_layout(self, rs: RequestState, layout: RequestLayout | None) -> None:
-        rs.layout = layout
-
     def compacted(self) -> list[str]:
         """Requests whose cache is compacted (their decode rows go to the ragged op)."""
         return [r for r, rs in self.requests.items() if rs.layout is not None]

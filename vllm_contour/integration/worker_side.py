@@ -220,7 +220,7 @@ class WorkerSide:
             self._report[req_id] = {"kind": "recompute", "seq": item.seq, "reason": reason}
             return
         t2 = time.perf_counter()
-        st.set_layout(rs, layout)
+        rs.layout = layout
         self._report[req_id] = {"kind": "round", "seq": item.seq, "region_blocks": layout.region_blocks,
                                 "kept_blocks": layout.kept_blocks,
                                 "freed": list(zip(plan.freed_slots, plan.freed_blocks)),
