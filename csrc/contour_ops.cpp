@@ -2,7 +2,9 @@
 // bits of any 1/2/4/8-byte dtype); all arithmetic in fp32.
 //
 // Cache convention (see vllm_contour/ops/reference.py): key_cache / value_cache are [num_blocks, H, bs, D]
-// views with arbitrary element strides; a head-page id is block * H + lane.
+// views with arbitrary element strides, or the two-level [num_blocks, H, bs/tg, tg, D/dg, dg] form of packed
+// page layouts (vLLM's AMX pages; vllm_contour/ops/cpu_layout.py): token t = t1*tg + t2, dim c = c1*dg + c2.
+// Both are read through one description (Cache below); a head-page id is block * H + lane.
 //
 //   compact(kc, vc, src_page, src_off, dst_page, dst_off)          in place, overlap-safe
 //   accumulate_moments(kc, vc, page_ids, offsets, head, n, sum_k, sum_v, sum_vk)   in place, fp32 stats
@@ -42,24 +44,42 @@ using at::Tensor;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // ------------------------------------------------------------------------------------------------ views
+// Element (page, token t, dim c) at base + block*s0 + lane*s1 + tok(t) + dim(c), with
+// tok(t) = (t / tg) * ts1 + (t % tg) * ts2 and dim(c) = (c / dg) * cs1 + (c % dg) * cs2.
 template <typename T>
 struct Cache {
   T* base;
-  int64_t s0, s1, s2, s3, heads, pages, bs;
+  int64_t s0, s1, heads, pages, bs, D;
+  int64_t tg, ts1, ts2, dg, cs1, cs2;
+  inline int64_t tok(int64_t off) const { return tg >= bs ? off * ts2 : (off / tg) * ts1 + (off % tg) * ts2; }
   inline T* row(int64_t page, int64_t off) const {
-    return base + (page / heads) * s0 + (page % heads) * s1 + off * s2;
+    return base + (page / heads) * s0 + (page % heads) * s1 + tok(off);
   }
+  inline bool flat_dims() const { return dg >= D; }  // one stride (cs2) between a row's elements
 };
+
+inline int64_t cache_bs(const Tensor& c) { return c.dim() == 4 ? c.size(2) : c.size(2) * c.size(3); }
+inline int64_t cache_d(const Tensor& c) { return c.dim() == 4 ? c.size(3) : c.size(4) * c.size(5); }
 
 template <typename T>
 Cache<T> cache_view(const Tensor& c) {
-  return Cache<T>{reinterpret_cast<T*>(c.data_ptr()), c.stride(0), c.stride(1), c.stride(2), c.stride(3),
-                  c.size(1), c.size(0) * c.size(1), c.size(2)};
+  Cache<T> x{reinterpret_cast<T*>(c.data_ptr()), c.stride(0), c.stride(1), c.size(1), c.size(0) * c.size(1),
+             cache_bs(c), cache_d(c), 0, 0, 0, 0, 0, 0};
+  if (c.dim() == 4) {
+    x.tg = x.bs; x.ts2 = c.stride(2); x.dg = x.D; x.cs2 = c.stride(3);
+  } else {
+    x.tg = c.size(3); x.ts1 = c.stride(2); x.ts2 = c.stride(3);
+    x.dg = c.size(5); x.cs1 = c.stride(4); x.cs2 = c.stride(5);
+  }
+  return x;
 }
 
 void check_cache_pair(const Tensor& kc, const Tensor& vc) {
-  TORCH_CHECK(kc.dim() == 4 && vc.dim() == 4, "caches must be [num_blocks, H, block_size, D]");
-  TORCH_CHECK(kc.sizes() == vc.sizes(), "key_cache and value_cache shapes differ");
+  TORCH_CHECK((kc.dim() == 4 || kc.dim() == 6) && (vc.dim() == 4 || vc.dim() == 6),
+              "caches must be [num_blocks, H, block_size, D] or [num_blocks, H, bs/tg, tg, D/dg, dg]");
+  TORCH_CHECK(kc.size(0) == vc.size(0) && kc.size(1) == vc.size(1) && cache_bs(kc) == cache_bs(vc) &&
+                  cache_d(kc) == cache_d(vc),
+              "key_cache and value_cache shapes differ");
   TORCH_CHECK(kc.scalar_type() == vc.scalar_type(), "key_cache and value_cache dtypes differ");
   TORCH_CHECK(kc.device().is_cpu() && vc.device().is_cpu(), "CPU kernels need CPU caches");
 }
@@ -99,6 +119,16 @@ inline void load_row(const c10::Half* p, int64_t s, int64_t D, float* __restrict
   }
 #endif
   for (; d < D; ++d) out[d] = static_cast<float>(p[d * s]);
+}
+
+// one token row (D elements) of a cache into fp32
+template <typename T>
+inline void load_dims(const Cache<T>& X, const T* p, float* __restrict out) {
+  if (X.flat_dims()) {
+    load_row(p, X.cs2, X.D, out);
+    return;
+  }
+  for (int64_t c = 0; c < X.D / X.dg; ++c) load_row(p + c * X.cs1, X.cs2, X.dg, out + c * X.dg);
 }
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
@@ -216,6 +246,18 @@ inline void copy_row(U* dst, int64_t ds, const U* src, int64_t ss, int64_t D) {
   for (int64_t d = 0; d < D; ++d) dst[d * ds] = src[d * ss];
 }
 
+// one token row between cache rows (layout addressing) and / or a contiguous buffer row
+template <typename U>
+inline void move_row(const Cache<U>& X, U* dst, bool dst_cache, const U* src, bool src_cache) {
+  if (X.flat_dims()) {
+    copy_row<U>(dst, dst_cache ? X.cs2 : 1, src, src_cache ? X.cs2 : 1, X.D);
+    return;
+  }
+  for (int64_t c = 0; c < X.D / X.dg; ++c)
+    copy_row<U>(dst + c * (dst_cache ? X.cs1 : X.dg), dst_cache ? X.cs2 : 1,
+                src + c * (src_cache ? X.cs1 : X.dg), src_cache ? X.cs2 : 1, X.dg);
+}
+
 // Which moves read a slot that another move writes ("clobbered" sources)? Only those go through a
 // temporary buffer; every other source is never written, so it can be read at any time. Fills the
 // temporary row of every move (-1: read in place), returns the number of clobbered moves. [lo, hi]: the
@@ -253,7 +295,7 @@ template <typename U>
 void compact_kernel(const Tensor& kc, const Tensor& vc, const int64_t* sp, const int64_t* so, const int64_t* dp,
                     const int64_t* dof, int64_t M) {
   Cache<U> K = cache_view<U>(kc), V = cache_view<U>(vc);
-  const int64_t D = kc.size(3);
+  const int64_t D = K.D;
   // element offsets of every source / destination row, K and V (one divmod per page id)
   std::unique_ptr<int64_t[]> off(new int64_t[4 * M]);
   int64_t* ks = off.get();
@@ -285,10 +327,10 @@ void compact_kernel(const Tensor& kc, const Tensor& vc, const int64_t* sp, const
       dv = b * V.s0 + l * V.s1;
       last_d = dp[i];
     }
-    ks[i] = sk + so[i] * K.s2;
-    vs[i] = sv + so[i] * V.s2;
-    kd[i] = dk + dof[i] * K.s2;
-    vd[i] = dv + dof[i] * V.s2;
+    ks[i] = sk + K.tok(so[i]);
+    vs[i] = sv + V.tok(so[i]);
+    kd[i] = dk + K.tok(dof[i]);
+    vd[i] = dv + V.tok(dof[i]);
     const int64_t key = dp[i] * bs + dof[i];
     lo = std::min(lo, key);
     hi = std::max(hi, key);
@@ -313,15 +355,15 @@ void compact_kernel(const Tensor& kc, const Tensor& vc, const int64_t* sp, const
     if (C > 0) {
 #pragma omp parallel for schedule(static) if (C > 8192)
       for (int64_t i = 0; i < M; ++i)
-        if (slot[i] >= 0) copy_row<U>(tmp.get() + slot[i] * D, 1, X.base + xs[i], X.s3, D);
+        if (slot[i] >= 0) move_row<U>(X, tmp.get() + slot[i] * D, false, X.base + xs[i], true);
     }
 #pragma omp parallel for schedule(static) if (M > 8192)
     for (int64_t i = 0; i < M; ++i) {
       if (xs[i] == xd[i]) continue;  // a self move
       if (slot[i] >= 0)
-        copy_row<U>(X.base + xd[i], X.s3, tmp.get() + slot[i] * D, 1, D);
+        move_row<U>(X, X.base + xd[i], true, tmp.get() + slot[i] * D, false);
       else
-        copy_row<U>(X.base + xd[i], X.s3, X.base + xs[i], X.s3, D);
+        move_row<U>(X, X.base + xd[i], true, X.base + xs[i], true);
     }
   }
 }
@@ -356,7 +398,7 @@ template <typename T>
 void accumulate_kernel(const Tensor& kc, const Tensor& vc, const int64_t* page, const int64_t* off,
                        const int64_t* head, int64_t M, int64_t Hm, float* n, float* sk, float* sv, float* svk) {
   Cache<T> K = cache_view<T>(kc), V = cache_view<T>(vc);
-  const int64_t D = kc.size(3);
+  const int64_t D = K.D;
   // bucket the tokens by head (counting sort, stable)
   std::vector<int64_t> start(Hm + 1, 0), order(M);
   for (int64_t i = 0; i < M; ++i) ++start[head[i] + 1];
@@ -384,8 +426,8 @@ void accumulate_kernel(const Tensor& kc, const Tensor& vc, const int64_t* page, 
         const int64_t nb = std::min(NB, start[h + 1] - b0);
         for (int64_t j = 0; j < nb; ++j) {
           const int64_t i = order[b0 + j];
-          load_row(K.row(page[i], off[i]), K.s3, D, kb.data() + j * D);
-          load_row(V.row(page[i], off[i]), V.s3, D, vb.data() + j * D);
+          load_dims(K, K.row(page[i], off[i]), kb.data() + j * D);
+          load_dims(V, V.row(page[i], off[i]), vb.data() + j * D);
         }
         if (ch == 0) {
           n[h] += static_cast<float>(nb);
@@ -418,13 +460,13 @@ Tensor as_f32_contig(const Tensor& t, bool& copied) {
 void accumulate_moments(Tensor kc, Tensor vc, Tensor page_ids, Tensor offsets, Tensor head_of_token, Tensor n,
                         Tensor sum_k, Tensor sum_v, Tensor sum_vk) {
   check_cache_pair(kc, vc);
-  const int64_t M = page_ids.numel(), D = kc.size(3), Hm = n.numel();
+  const int64_t M = page_ids.numel(), D = cache_d(kc), Hm = n.numel();
   TORCH_CHECK(offsets.numel() == M && head_of_token.numel() == M, "index lengths differ");
   TORCH_CHECK(sum_k.numel() == Hm * D && sum_v.numel() == Hm * D && sum_vk.numel() == Hm * D * D,
               "moments must be n [H], sum_k [H, D], sum_v [H, D], sum_vk [H, D, D]");
   if (M == 0) return;
   Tensor p = as_long(page_ids), o = as_long(offsets), h = as_long(head_of_token);
-  check_slots(p.data_ptr<int64_t>(), o.data_ptr<int64_t>(), M, kc.size(0) * kc.size(1), kc.size(2), "token");
+  check_slots(p.data_ptr<int64_t>(), o.data_ptr<int64_t>(), M, kc.size(0) * kc.size(1), cache_bs(kc), "token");
   const int64_t* hp = h.data_ptr<int64_t>();
   for (int64_t i = 0; i < M; ++i)
     TORCH_CHECK(hp[i] >= 0 && hp[i] < Hm, "head_of_token ", hp[i], " outside [0, ", Hm, ")");
@@ -477,7 +519,8 @@ void decode_kernel(const TQ* q, int64_t qs0, int64_t qs1, int64_t qs2, Cache<T> 
                    Idx pt, int64_t P, Idx sl, int64_t T_, int64_t H, int64_t G, float scale, const float* mn,
                    const float* msk, const float* msv, const float* msvk, TQ* out, float* lse) {
   const int64_t bs = K.bs;
-  const bool k_transposed = K.s2 == 1 && K.s3 != 1 && D > 1;
+  // key page stored [D, bs] (vLLM's CPU vec kernels): logits by columns
+  const bool k_transposed = K.tg >= bs && K.ts2 == 1 && K.flat_dims() && K.cs2 != 1 && D > 1;
 #pragma omp parallel
   {
     std::vector<float> qs(G * D), acc(G * D), kb(bs * D), vb(4 * D), lg(G * bs), m(G), l(G), tmp(D), ob(G * D),
@@ -498,9 +541,9 @@ void decode_kernel(const TQ* q, int64_t qs0, int64_t qs1, int64_t qs2, Cache<T> 
         const int64_t n = std::min(bs, L - p * bs);
         if (k_transposed) {  // key page stored [D, bs] (vLLM's CPU vec kernels): logits by columns
           const T* base = K.row(page, 0);
-          for (int64_t d = 0; d < D; ++d) load_row(base + d * K.s3, 1, n, kb.data() + d * bs);
+          for (int64_t d = 0; d < D; ++d) load_row(base + d * K.cs2, 1, n, kb.data() + d * bs);
         } else {
-          for (int64_t j = 0; j < n; ++j) load_row(K.row(page, j), K.s3, D, kb.data() + j * D);
+          for (int64_t j = 0; j < n; ++j) load_dims(K, K.row(page, j), kb.data() + j * D);
         }
         for (int64_t g = 0; g < G; ++g) {
           float* lgg = lg.data() + g * bs;
@@ -533,11 +576,11 @@ void decode_kernel(const TQ* q, int64_t qs0, int64_t qs1, int64_t qs2, Cache<T> 
         }
         int64_t j = 0;
         for (; j + 4 <= n; j += 4) {
-          for (int64_t r = 0; r < 4; ++r) load_row(V.row(page, j + r), V.s3, D, vb.data() + r * D);
+          for (int64_t r = 0; r < 4; ++r) load_dims(V, V.row(page, j + r), vb.data() + r * D);
           for (int64_t g = 0; g < G; ++g) axpy4(acc.data() + g * D, lg.data() + g * bs + j, vb.data(), D);
         }
         for (; j < n; ++j) {
-          load_row(V.row(page, j), V.s3, D, vb.data());
+          load_dims(V, V.row(page, j), vb.data());
           for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, lg[g * bs + j], vb.data(), D);
         }
       }
@@ -596,7 +639,7 @@ std::tuple<Tensor, Tensor> ragged_decode_attention(Tensor query, Tensor kc, Tens
   TORCH_CHECK(query.dim() == 3, "query must be [T, Hq, D]");
   const int64_t T_ = query.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t H = kc.size(1);
-  TORCH_CHECK(D == kc.size(3), "query and cache head sizes differ");
+  TORCH_CHECK(D == cache_d(kc), "query and cache head sizes differ");
   TORCH_CHECK(Hq % H == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(page_table.dim() == 3 && page_table.size(0) == T_ && page_table.size(1) == H,
               "page_table must be [T, H, P]");
@@ -605,7 +648,7 @@ std::tuple<Tensor, Tensor> ragged_decode_attention(Tensor query, Tensor kc, Tens
   const Tensor sl2 = seq_lens.dim() == 2 ? seq_lens : seq_lens.reshape({T_, H});  // keeps a copy alive
   const Idx pt(page_table), sl(sl2);
   {
-    const int64_t pages = kc.size(0) * H, bs = kc.size(2);
+    const int64_t pages = kc.size(0) * H, bs = cache_bs(kc);
     for (int64_t t = 0; t < T_; ++t)
       for (int64_t h = 0; h < H; ++h) {
         const int64_t L = sl(t, h);

@@ -1,7 +1,7 @@
 """One eviction round of one request: plan first (policy -> layout -> moves; nothing is written), then apply
 (moments -> compaction -> moment storage, only through ``ops``). Pure torch.
 
-The caller hands per-layer ``(key_cache, value_cache)`` views ``[num_blocks, H, bs, D]`` (any strides), the
+The caller hands per-layer ``(key_cache, value_cache)`` views ``[num_blocks, H, bs, D]`` (any strides, or the two-level form of ``ops.paged``), the
 request's block ids in logical order (freed blocks may appear as anything: they are never read), how many
 tokens have KV, the request's page budget and, for query-aware policies, the captured window queries.
 
@@ -28,6 +28,7 @@ from vllm_contour import ops
 from vllm_contour.budget import PageBudget
 from vllm_contour.config import RequestEviction
 from vllm_contour.layout import RequestLayout, compaction_indices, plan_layout, region_source_table
+from vllm_contour.ops.paged import dims, pages
 from vllm_contour.policies import LayerInputs, Policy, build_policy
 
 
@@ -69,7 +70,7 @@ def plan_round(caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[
     the round cannot be planned; nothing has been written then."""
     t0 = time.perf_counter()
     key0 = caches[0][0]
-    _, h, bs, d = key0.shape
+    _, h, bs, d = dims(key0)
     if h != budget.num_kv_heads or bs != budget.block_size:
         raise PlanError(f"budget for {budget.num_kv_heads} heads x page {budget.block_size}, cache has "
                         f"{h} x {bs}")
@@ -169,9 +170,9 @@ def _first_round_inputs(caches, blocks, num_tokens, e_new, block_ids, h, scale, 
     """Every layer of a first round as one input: rows ``l * H + h``; every head's candidates are the full
     blocks ``[0, E)`` (the prompt's partial last block and, query-agnostic, the question are context)."""
     n_blocks = blocks.numel()
-    bs, d = caches[0][0].shape[2], caches[0][0].shape[3]
-    keys = torch.stack([kc[blocks].permute(1, 0, 2, 3) for kc, _ in caches])  # [L, H, n, bs, D], contiguous
-    values = torch.stack([vc[blocks].permute(1, 0, 2, 3) for _, vc in caches])
+    _, _, bs, d = dims(caches[0][0])
+    keys = torch.stack([pages(kc, blocks).permute(1, 0, 2, 3) for kc, _ in caches])  # [L, H, n, bs, D], contiguous
+    values = torch.stack([pages(vc, blocks).permute(1, 0, 2, 3) for _, vc in caches])
     num_layers = len(caches)
     keys = keys.reshape(num_layers * h, n_blocks * bs, d)[:, :num_tokens]
     values = values.reshape(num_layers * h, n_blocks * bs, d)[:, :num_tokens]
@@ -189,7 +190,7 @@ def _round_inputs(caches, blocks, num_tokens, prev: RequestLayout, e_new, scale,
     positions) then the new full tail blocks ``[E, E2)``, padding up to the widest head, then the partial
     last block (context only, never a candidate)."""
     h, bs = prev.num_kv_heads, prev.block_size
-    d = caches[0][0].shape[3]
+    d = dims(caches[0][0])[3]
     num_layers = len(caches)
     e_old = prev.region_blocks
     n_tail = e_new - e_old
@@ -202,8 +203,8 @@ def _round_inputs(caches, blocks, num_tokens, prev: RequestLayout, e_new, scale,
     tail_idx = (j - p.unsqueeze(-1)).clamp(0, max(0, n_tail - 1))
     src = torch.where(j < p.unsqueeze(-1), run, torch.gather(tail.expand(num_layers, -1, -1), 2, tail_idx))
     blk, lane = src // h, src % h  # [L, H, W]
-    keys = torch.stack([kc[blk[layer], lane[layer]] for layer, (kc, _) in enumerate(caches)])  # [L, H, W, bs, D]
-    values = torch.stack([vc[blk[layer], lane[layer]] for layer, (_, vc) in enumerate(caches)])
+    keys = torch.stack([pages(kc, blk[layer], lane[layer]) for layer, (kc, _) in enumerate(caches)])  # [L, H, W, bs, D]
+    values = torch.stack([pages(vc, blk[layer], lane[layer]) for layer, (_, vc) in enumerate(caches)])
     keys = keys.reshape(num_layers * h, width * bs, d)
     values = values.reshape(num_layers * h, width * bs, d)
     n_part = num_tokens - e_new * bs
@@ -215,8 +216,8 @@ def _round_inputs(caches, blocks, num_tokens, prev: RequestLayout, e_new, scale,
     n_cand = (p + n_tail) * bs
     valid = tok < n_cand.unsqueeze(-1)
     if n_part:
-        pk = torch.stack([kc[blocks[e_new], :, :n_part] for kc, _ in caches]).reshape(num_layers * h, n_part, d)
-        pv = torch.stack([vc[blocks[e_new], :, :n_part] for _, vc in caches]).reshape(num_layers * h, n_part, d)
+        pk = torch.stack([pages(kc, blocks[e_new])[:, :n_part] for kc, _ in caches]).reshape(num_layers * h, n_part, d)
+        pv = torch.stack([pages(vc, blocks[e_new])[:, :n_part] for _, vc in caches]).reshape(num_layers * h, n_part, d)
         keys, values = torch.cat([keys, pk], dim=1), torch.cat([values, pv], dim=1)
         part = torch.arange(e_new * bs, num_tokens).view(1, 1, -1).expand(num_layers, h, -1)
         pos = torch.cat([pos, part], dim=2)
@@ -245,7 +246,7 @@ def apply_round(caches: list[tuple[torch.Tensor, torch.Tensor]], plan: RoundPlan
     layout, prev = plan.layout, plan.prev
     h = layout.num_kv_heads
     for layer, ((kc, vc), lp) in enumerate(zip(caches, plan.layers)):
-        d = kc.shape[3]
+        d = dims(kc)[3]
         stats = None
         if layout.moment_page_ids is not None:
             if prev is not None and prev.moment_page_ids is not None:

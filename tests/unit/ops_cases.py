@@ -4,7 +4,10 @@ Cache layouts, all ``[num_blocks, H, bs, D]`` views of one storage tensor:
 * ``cpu_rows``   vLLM's CPU cache ``[B, H, bs, 2D]``, K rows then V rows in each head-page,
 * ``cpu_keyT``   the same with the key page transposed (``[D, bs]``, what vLLM's CPU vec kernels write),
 * ``interleaved`` a GPU-like token-interleaved ``[2, B, bs, H, D + pad]`` (heads interleaved per token,
-  padded rows: nothing is contiguous beyond D).
+  padded rows: nothing is contiguous beyond D),
+* ``cpu_amx``    vLLM's CPU cache with the AMX bf16 packing (keys in 16-token groups with dims in pairs,
+  values in 16-dim column groups with tokens in pairs): two-level ``[B, H, bs/tg, tg, D/dg, dg]`` views
+  from ``PageLayout.amx_bf16`` (``test_ops.py::test_probed_layouts`` checks it against vLLM's own write).
 """
 
 from __future__ import annotations
@@ -16,18 +19,23 @@ import torch
 from vllm_contour.layout import (compaction_indices, decode_page_table, kept_blocks_for, plan_layout,
                                  region_source_table)
 from vllm_contour.moments import accumulate
-from vllm_contour.ops.cpu_layout import KEY_ROWS, KEY_TRANSPOSED, cpu_kv_views
+from vllm_contour.ops.cpu_layout import KEY_ROWS, KEY_TRANSPOSED, PageLayout, cpu_kv_views
 
-LAYOUTS = ["cpu_rows", "cpu_keyT", "interleaved"]
+LAYOUTS = ["cpu_rows", "cpu_keyT", "interleaved", "cpu_amx"]
+GPU_LAYOUTS = ["cpu_rows", "cpu_keyT", "interleaved"]  # the Triton kernels take [B, H, bs, D] strided caches
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+_CPU = {"cpu_rows": lambda bs, d: KEY_ROWS, "cpu_keyT": lambda bs, d: KEY_TRANSPOSED,
+        "cpu_amx": PageLayout.amx_bf16}
 
 
 def make_cache(layout: str, nb: int, h: int, bs: int, d: int, dtype=torch.float32, seed: int = 0):
     """Returns ``(storage, key_cache, value_cache)``."""
     g = torch.Generator().manual_seed(seed)
-    if layout in ("cpu_rows", "cpu_keyT"):
+    if layout in _CPU:
         kv = torch.randn(nb, h, bs, 2 * d, generator=g).to(dtype)
-        k, v = cpu_kv_views(kv, KEY_ROWS if layout == "cpu_rows" else KEY_TRANSPOSED)
+        k, v = cpu_kv_views(kv, _CPU[layout](bs, d))
         return kv, k, v
     if layout == "interleaved":
         kv = torch.randn(2, nb, bs, h, d + 3, generator=g).to(dtype)
@@ -37,8 +45,8 @@ def make_cache(layout: str, nb: int, h: int, bs: int, d: int, dtype=torch.float3
 
 def views_of(layout: str, storage: torch.Tensor, d: int):
     """Key/value views of (a clone of) a storage tensor made by ``make_cache``."""
-    if layout in ("cpu_rows", "cpu_keyT"):
-        return cpu_kv_views(storage, KEY_ROWS if layout == "cpu_rows" else KEY_TRANSPOSED)
+    if layout in _CPU:
+        return cpu_kv_views(storage, _CPU[layout](storage.shape[2], d))
     return storage[0].permute(0, 2, 1, 3)[..., :d], storage[1].permute(0, 2, 1, 3)[..., :d]
 
 

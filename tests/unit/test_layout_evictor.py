@@ -11,7 +11,8 @@ from vllm_contour.budget import BudgetError, page_budget
 from vllm_contour.evictor import PlanError, apply_round, plan_round
 from vllm_contour.layout import (compaction_indices, decode_page_table, kept_blocks_for, plan_layout,
                                  region_source_table)
-from vllm_contour.ops.cpu_layout import KEY_TRANSPOSED, cpu_kv_views
+from vllm_contour.ops.cpu_layout import KEY_TRANSPOSED, PageLayout, cpu_kv_views
+from vllm_contour.ops.paged import rows, set_rows
 from vllm_contour.ops.reference import dense_attention_ref
 
 
@@ -71,8 +72,8 @@ def _explicit_kv(kc, vc, table_row, n, bs, h):
     ks, vs = [], []
     for j in range(n):
         b, lane = divmod(int(table_row[j // bs]), h)
-        ks.append(kc[b, lane, j % bs])
-        vs.append(vc[b, lane, j % bs])
+        ks.append(rows(kc, b, lane, j % bs))
+        vs.append(rows(vc, b, lane, j % bs))
     return torch.stack(ks), torch.stack(vs)
 
 
@@ -221,9 +222,10 @@ class _Request:
             if self.n % self.bs == 0:
                 self.block_ids.append(self.pool.pop())
             b, off = self.block_ids[self.n // self.bs], self.n % self.bs
+            lanes = torch.arange(tk.shape[1])
             for layer, (kc, vc) in enumerate(self.caches):
-                kc[b, :, off] = tk[layer, :, self.n]
-                vc[b, :, off] = tv[layer, :, self.n]
+                set_rows(kc, b, lanes, off, tk[layer, :, self.n])
+                set_rows(vc, b, lanes, off, tv[layer, :, self.n])
             self.n += 1
 
     def free(self, slots):
@@ -235,19 +237,23 @@ class _Request:
             self.block_ids[s] = -1
 
 
-@pytest.mark.parametrize("policy,moments", [("snapkv", False), ("snapkv", True), ("knorm", True),
-                                            ("h2o", False), ("contour_diverse", False)])
-def test_several_rounds_keep_original_tokens_and_decode_equals_dense_attention(policy, moments):
+@pytest.mark.parametrize("policy,moments,layout", [
+    ("snapkv", False, "transposed"), ("snapkv", True, "transposed"), ("knorm", True, "transposed"),
+    ("h2o", False, "transposed"), ("contour_diverse", False, "transposed"),
+    ("snapkv", True, "amx"), ("h2o", False, "amx")])
+def test_several_rounds_keep_original_tokens_and_decode_equals_dense_attention(policy, moments, layout):
     """Prompt, then rounds every T generated tokens: each head's kept tokens are exactly original tokens at
     the positions the layout records (lane borrowing across rounds), the blocks held stay within the
     budget, moment n equals the tokens evicted so far (and sum_k their keys), and the decode op over
-    kept + tail equals dense attention over exactly those tokens (moments on: plus the closed form)."""
+    kept + tail equals dense attention over exactly those tokens (moments on: plus the closed form). Also
+    on vLLM's AMX bf16 page packing (two-level views; fp32 bytes, the addressing is what is tested)."""
     from vllm_contour import moments as mm
 
     h, g, bs, d, layers = 3, 3, 16, 32, 2
     budget, interval = 96, 32
     nb = 200
-    caches = [cpu_cache(nb, h, bs, d, seed=s)[1:] for s in range(layers)]
+    key_layout = KEY_TRANSPOSED if layout == "transposed" else PageLayout.amx_bf16(bs, d)
+    caches = [cpu_cache(nb, h, bs, d, seed=s, key_layout=key_layout)[1:] for s in range(layers)]
     truth = _truth(layers, h, d, 1000, seed=3)
     req = _Request(caches, truth, bs, list(range(nb - 1, 0, -1)))
     params = resolve_request(EvictionConfig(policy=policy, budget=budget, recent_window=8, sink_tokens=2,

@@ -7,8 +7,11 @@ The C++ kernels come from the installed ``vllm_contour._C``, else they are JIT-c
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -199,6 +202,96 @@ def test_decode_vllm_cpu_without_moments(cpp):
         for impl in ("vllm_cpu", "cpp"):
             got, _ = ops.ragged_decode_attention(q, k, v, pt, sl, d ** -0.5, impl=impl, native=True)
             torch.testing.assert_close(got.float(), want.float(), **tol(dtype))
+
+
+# ------------------------------------------------------------------------------------------ layouts
+def _probe(isa: str) -> tuple[list[dict], str]:
+    """The layouts vLLM's own cache write gives for ``isa`` on this machine (``layout_probe``, one process
+    per ISA so that a kernel this CPU cannot run kills only the probe)."""
+    r = subprocess.run([sys.executable, "-m", "tests.unit.layout_probe", isa], capture_output=True, text=True,
+                       timeout=300, cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    return rows, "" if r.returncode == 0 else f"exit {r.returncode}: {r.stderr.strip()[-300:]}"
+
+
+def test_probed_layouts_are_what_vllm_writes():
+    """Every (ISA, dtype, block size, head dim) vLLM's CPU attention may pick: the probe fits a two-level
+    description, and the views of a cache written by vLLM's own ``cpu_attn_reshape_and_cache`` return the
+    keys and values that were written. The ``vec``/``vec16`` layouts (what vLLM uses here) must probe; the
+    AMX bf16 packing is probed where this machine's vLLM can write it (no AMX tiles are needed to write),
+    else it is covered by ``PageLayout.amx_bf16``, the formula the probe measured, in every op test
+    (``cpu_amx``). The test says which were probed for real."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed")
+    probed, synthetic = [], []
+    for isa in ("vec", "vec16", "amx"):
+        rows, err = _probe(isa)
+        from tests.unit.layout_probe import CASES
+
+        for row in rows:
+            assert "error" not in row, row
+            assert row["views_match"], row
+            if isa == "amx":
+                assert row["equals_formula"] and not row["flat"], row
+            else:
+                assert row["flat"], row
+            probed.append(f"{isa}/{row['dtype']}/bs{row['bs']}/d{row['d']}")
+        if isa != "amx":
+            assert not err and len(rows) == len(CASES[isa]), (isa, err)
+        elif len(rows) < len(CASES[isa]):
+            synthetic.append(f"amx/bfloat16 (probe: {err or 'incomplete'}; covered by PageLayout.amx_bf16)")
+    warnings.warn(f"cache layouts probed from vLLM's own write: {', '.join(probed)}; synthetic only: "
+                  f"{', '.join(synthetic) or 'none'}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ops_agree_across_layouts(cpp, dtype):
+    """The same logical cache in every CPU layout (key rows, transposed keys, AMX packing) gives the same
+    compaction (logical pages equal, bit for bit), moments and decode outputs: the layout description is
+    the only thing that differs."""
+    from vllm_contour.ops.paged import pages, set_pages
+
+    g = torch.Generator().manual_seed(11)
+    lk = torch.randn(NB, H, BS, D, generator=g).to(dtype)
+    lv = torch.randn(NB, H, BS, D, generator=g).to(dtype)
+    allb = torch.arange(NB)
+    results = {}
+    for layout in ("cpu_rows", "cpu_keyT", "cpu_amx"):
+        _, k, v = make_cache(layout, NB, H, BS, D, dtype)
+        for c, x in ((k, lk), (v, lv)):
+            for lane in range(H):
+                set_pages(c, allb, torch.full((NB,), lane), x[:, lane])
+        assert torch.equal(pages(k, allb), lk) and torch.equal(pages(v, allb), lv)
+        pg, of, hd = token_list(3, NB, H, BS, 90, hm=H)
+        mom = ops.accumulate_moments(k, v, pg, of, hd, zero_moments(H, D), impl=cpp)
+        ops.compact(k, v, *compaction_moves(4, NB, H, BS), impl=cpp)
+        pt, sl = decode_case(5, NB, H, BS, t_rows=3, long_tail=True)
+        q = torch.randn(pt.shape[0], H * G, D, generator=torch.Generator().manual_seed(6)).to(dtype)
+        o, lse = ops.ragged_decode_attention(q, k, v, pt, sl, D ** -0.5, impl=cpp, need_lse=True)
+        results[layout] = (pages(k, allb), pages(v, allb), mom, o, lse)
+    base = results["cpu_rows"]
+    for layout, (k, v, mom, o, lse) in results.items():
+        assert torch.equal(k, base[0]) and torch.equal(v, base[1]), layout
+        for key in mom:
+            torch.testing.assert_close(mom[key], base[2][key], rtol=1e-5, atol=1e-4, msg=f"{layout} {key}")
+        torch.testing.assert_close(o.float(), base[3].float(), **tol(dtype))
+        torch.testing.assert_close(lse, base[4], rtol=1e-5, atol=1e-4)
+
+
+def test_moments_storage_round_trips_on_every_layout():
+    from vllm_contour.moments import Moments, pack
+
+    for layout in ("cpu_rows", "cpu_keyT", "cpu_amx"):
+        for dtype in DTYPES:
+            _, k, v = make_cache(layout, NB, H, BS, D, dtype)
+            m = random_moments(1, 1, H, D)
+            packed = pack(Moments(m["n"][0], m["sum_k"][0], m["sum_v"][0], m["sum_vk"][0]))
+            pages_needed = -(-packed.numel() * 4 // (2 * BS * D * k.element_size()))
+            ids = torch.arange(5, 5 + pages_needed)
+            ops.store_moments(k, v, ids, packed)
+            back = ops.load_moments(k, v, ids, H, D)
+            for key in m:
+                assert torch.equal(back[key], m[key][0].to(back[key].dtype)), (layout, dtype, key)
 
 
 # ---------------------------------------------------------------------------------------- dispatch

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from vllm_contour.ops.reference import (accumulate_moments_ref, compact_ref,  # noqa: E402
                                         ragged_decode_attention_ref)
 
-from .ops_cases import (DTYPES, LAYOUTS, compaction_moves, decode_case, make_cache,  # noqa: E402
+from .ops_cases import (DTYPES, GPU_LAYOUTS, compaction_moves, decode_case, make_cache,  # noqa: E402
                         permutation_moves, random_moments, token_list, tol, views_of, zero_moments)
 
 if INTERPRET:
@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @interp
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", GPU_LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_compact(layout, dtype):
     kv, _, _ = make_cache(layout, NB, H, BS, D, dtype, seed=1)
@@ -52,7 +52,7 @@ def test_compact(layout, dtype):
 
 
 @interp
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", GPU_LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_accumulate_moments(layout, dtype):
     _, k, v = make_cache(layout, NB, H, BS, D, dtype, seed=2)
@@ -65,7 +65,7 @@ def test_accumulate_moments(layout, dtype):
 
 
 @interp
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", GPU_LAYOUTS)
 @pytest.mark.parametrize("dtype,with_moments", [(torch.float32, False), (torch.float16, False),
                                                 (torch.bfloat16, False), (torch.float32, True),
                                                 (torch.bfloat16, True)])

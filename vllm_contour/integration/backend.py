@@ -29,19 +29,26 @@ from vllm_contour import ops
 from vllm_contour.config import EvictionConfig
 from vllm_contour.integration.state import CaptureRows, DecodeRows, worker_state
 from vllm_contour.layout import decode_page_table
-from vllm_contour.ops.cpu_layout import cpu_kv_views, detect_key_layout
+from vllm_contour.ops.cpu_layout import PageLayout, cpu_kv_views, probe_layout
 
 logger = init_logger("vllm.contour")
 
 
-def layer_kv_views(kv_cache: torch.Tensor):
-    """Logical [B, H, bs, D] key/value views of one layer's CPU cache (key layout probed once)."""
+def layer_layout(kv_cache: torch.Tensor, scramble: bool = False) -> PageLayout:
+    """The page layout vLLM's CPU attention writes into this cache (its ISA for the cache's dtype, block
+    size and head dim), probed once per combination (``cpu_layout.probe_layout``; ``scramble``: the
+    test-only fault switch's unknown layout)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     _, _, bs, two_d = kv_cache.shape
     d = two_d // 2
-    isa = _get_attn_isa(kv_cache.dtype, bs, d)
-    return cpu_kv_views(kv_cache, detect_key_layout(isa, kv_cache.dtype, bs, d))
+    return probe_layout(_get_attn_isa(kv_cache.dtype, bs, d), kv_cache.dtype, bs, d, scramble)
+
+
+def layer_kv_views(kv_cache: torch.Tensor, scramble: bool = False):
+    """Logical key/value views of one layer's CPU cache (``[B, H, bs, D]``, or the two-level form of
+    packed layouts, see ``ops.paged``)."""
+    return cpu_kv_views(kv_cache, layer_layout(kv_cache, scramble))
 
 
 def _eviction_enabled() -> bool:
@@ -212,7 +219,7 @@ class ContourCPUAttentionImpl(CPUAttentionBackendImpl):
             try:
                 moments = None
                 if decode.moment_pages is not None:
-                    h = key_cache.shape[1]
+                    h = kv_cache.shape[1]
                     moments = ops.load_moments(key_cache, value_cache,
                                                decode.moment_pages[layer_idx].to(torch.int64), h, self.head_size)
                     keep = decode.has_moments

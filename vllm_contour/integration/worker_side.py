@@ -38,11 +38,13 @@ FAULTS_ENV = "VLLM_CONTOUR_FAULTS"
 class FaultSwitch:
     """TEST ONLY. ``VLLM_CONTOUR_FAULTS="plan=0.2,apply=0.1,seed=0"`` makes that share of rounds fail while
     planning (nothing written) or raise in the middle of compaction (after the first layer moved). Off by
-    default; chosen per (request, round) by a hash, so a run is reproducible."""
+    default; chosen per (request, round) by a hash, so a run is reproducible. ``layout=scramble`` makes the
+    start-up layout probe see vLLM's cache write through a scrambled page (an unknown layout)."""
 
     def __init__(self, spec: str | None):
         self.rates: dict[str, float] = {}
         self.seed = "0"
+        self.scramble_layout = False
         for part in (spec or "").split(","):
             if not part.strip():
                 continue
@@ -52,8 +54,14 @@ class FaultSwitch:
                 self.seed = value.strip()
             elif key in ("plan", "apply"):
                 self.rates[key] = float(value)
+            elif key == "layout" and value.strip() == "scramble":
+                self.scramble_layout = True
             else:
-                raise ValueError(f"{FAULTS_ENV}: unknown key {key!r} (plan, apply, seed)")
+                raise ValueError(f"{FAULTS_ENV}: unknown key {key!r} (plan, apply, seed, layout=scramble)")
+
+    @property
+    def on(self) -> bool:
+        return bool(self.rates) or self.scramble_layout
 
     def hit(self, kind: str, req_id: str, seq: int) -> bool:
         rate = self.rates.get(kind, 0.0)
@@ -76,7 +84,7 @@ class WorkerSide:
         self._stats = ContourStats()
         self._policies: dict[tuple, object] = {}
         self.faults = FaultSwitch(os.environ.get(FAULTS_ENV))
-        if self.faults.rates:
+        if self.faults.on:
             logger.warning("kv_eviction: TEST-ONLY fault switch %s=%s is on", FAULTS_ENV, os.environ[FAULTS_ENV])
 
     # ------------------------------------------------------------------ start-up
@@ -85,16 +93,17 @@ class WorkerSide:
         unknown layout stops the engine with a message naming dtype and ISA), the ops' implementations."""
         from vllm.model_executor.models.utils import extract_layer_index
 
-        from vllm_contour.integration.backend import layer_kv_views
+        from vllm_contour.integration.backend import layer_kv_views, layer_layout
+        from vllm_contour.ops.paged import dims
 
         named = sorted(kv_caches.items(), key=lambda kv: extract_layer_index(kv[0]))
         self._layer_caches = named
         st = worker_state()
         st.layer_index = {name: i for i, (name, _) in enumerate(named)}
-        self._views = [layer_kv_views(kv) for _, kv in named]
+        self._views = [layer_kv_views(kv, scramble=self.faults.scramble_layout) for _, kv in named]
         k0 = self._views[0][0]
-        self._shape = CacheShape(block_size=k0.shape[2], num_kv_heads=k0.shape[1], head_dim=k0.shape[3],
-                                 elem_size=k0.element_size())
+        _, heads, bs, hd = dims(k0)
+        self._shape = CacheShape(block_size=bs, num_kv_heads=heads, head_dim=hd, elem_size=k0.element_size())
         impls = ops.implementations("cpu")
         self._stats.info("ops", impls)
         from vllm_contour.ops import cpu_ext
@@ -104,9 +113,11 @@ class WorkerSide:
                            "back to the torch reference ops: decoding compacted requests is ~4-7x slower than "
                            "vLLM's own kernel. Reinstall with `pip install --no-build-isolation -e .` to build "
                            "them.", cpu_ext.LOAD_ERROR or "VLLM_CONTOUR_OPS_IMPL forces torch")
-        logger.info("kv_eviction: worker ready (pid %d): %d layers, %d KV heads, head dim %d, block %d, %s; "
-                    "ops %s", os.getpid(), len(named), self._shape.num_kv_heads, self._shape.head_dim,
-                    self._shape.block_size, k0.dtype, impls)
+        lay = layer_layout(named[0][1], scramble=self.faults.scramble_layout)
+        logger.info("kv_eviction: worker ready (pid %d): %d layers, %d KV heads, head dim %d, block %d, %s, "
+                    "cache layout %s (key %s, value %s); ops %s", os.getpid(), len(named),
+                    self._shape.num_kv_heads, self._shape.head_dim, self._shape.block_size, k0.dtype, lay.source,
+                    lay.key, lay.value, impls)
 
     def _layer_scale(self) -> float:
         if self._scale is None:

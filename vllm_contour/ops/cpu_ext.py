@@ -70,7 +70,7 @@ def load(jit: bool | None = None):
 
 
 def _cpu(dev: str, key_cache=None, **kw) -> bool:
-    return dev == "cpu" and (key_cache is None or key_cache.dim() == 4)
+    return dev == "cpu" and (key_cache is None or key_cache.dim() in (4, 6))
 
 
 def _register(mod) -> None:

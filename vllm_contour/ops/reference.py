@@ -2,7 +2,9 @@
 
 Cache convention for every op: ``key_cache`` and ``value_cache`` are ``[num_blocks, H, block_size, D]``
 views with arbitrary strides (vLLM's CPU layout ``[B, H, bs, 2D]`` gives K rows then V rows inside one
-contiguous head-page; GPU layouts interleave heads per token). A head-page id is ``block * H + lane``.
+contiguous head-page; GPU layouts interleave heads per token), or the two-level
+``[num_blocks, H, bs/tg, tg, D/dg, dg]`` form of packed layouts (vLLM's AMX pages, see ``cpu_layout``),
+read and written through ``paged``. A head-page id is ``block * H + lane``.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .paged import dims, pages, rows, set_pages, set_rows
 
 
 def _split(page_ids: torch.Tensor, num_heads: int):
@@ -28,10 +32,10 @@ def compact_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, src_page: to
     sb, sl = _split(src_page, h)
     db, dl = _split(dst_page, h)
     so, do = src_off.to(torch.int64), dst_off.to(torch.int64)
-    k = key_cache[sb, sl, so].clone()
-    v = value_cache[sb, sl, so].clone()
-    key_cache[db, dl, do] = k
-    value_cache[db, dl, do] = v
+    k = rows(key_cache, sb, sl, so).clone()
+    v = rows(value_cache, sb, sl, so).clone()
+    set_rows(key_cache, db, dl, do, k)
+    set_rows(value_cache, db, dl, do, v)
 
 
 def ragged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -48,13 +52,12 @@ def ragged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, va
     part: dict with ``n [T, H]``, ``sum_k [T, H, D]``, ``sum_v [T, H, D]``, ``sum_vk [T, H, D, D]`` fp32.
     """
     t, hq, d = query.shape
-    h = key_cache.shape[1]
-    bs = key_cache.shape[2]
+    _, h, bs, _ = dims(key_cache)
     g = hq // h
     p = page_table.shape[2]
     blk, lane = _split(page_table, h)  # [T, H, P]
-    k = key_cache[blk, lane].to(torch.float32).reshape(t, h, p * bs, d)
-    v = value_cache[blk, lane].to(torch.float32).reshape(t, h, p * bs, d)
+    k = pages(key_cache, blk, lane).to(torch.float32).reshape(t, h, p * bs, d)
+    v = pages(value_cache, blk, lane).to(torch.float32).reshape(t, h, p * bs, d)
     q = query.to(torch.float32).reshape(t, h, g, d)
     logits = torch.einsum("thgd,thnd->thgn", q, k) * scale
     valid = torch.arange(p * bs).view(1, 1, -1) < seq_lens.to(torch.int64).unsqueeze(-1)  # [T, H, N]
@@ -80,8 +83,8 @@ def accumulate_moments_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, p
     h = key_cache.shape[1]
     blk, lane = _split(page_ids.reshape(-1), h)
     off = offsets.reshape(-1).to(torch.int64)
-    k = key_cache[blk, lane, off].to(torch.float32)  # [M, D]
-    v = value_cache[blk, lane, off].to(torch.float32)
+    k = rows(key_cache, blk, lane, off).to(torch.float32)  # [M, D]
+    v = rows(value_cache, blk, lane, off).to(torch.float32)
     hd = head_of_token.reshape(-1).to(torch.int64)
     moments["n"].index_add_(0, hd, torch.ones(hd.numel(), dtype=moments["n"].dtype, device=hd.device))
     moments["sum_k"].index_add_(0, hd, k.to(moments["sum_k"].dtype))
@@ -118,8 +121,8 @@ def _page_elems(key_cache: torch.Tensor, value_cache: torch.Tensor, page_ids: to
     h = key_cache.shape[1]
     it = _INT_OF[key_cache.element_size()]
     blk, lane = _split(page_ids, h)
-    k = key_cache.view(it)[blk, lane]  # [..., M, bs, D]
-    v = value_cache.view(it)[blk, lane]
+    k = pages(key_cache.view(it), blk, lane)  # [..., M, bs, D]
+    v = pages(value_cache.view(it), blk, lane)
     return torch.cat([k.flatten(-2), v.flatten(-2)], dim=-1)
 
 
@@ -127,7 +130,7 @@ def store_moments_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, page_i
                       packed: torch.Tensor) -> None:
     """Write one layer's packed fp32 moments (``moments.pack``) into head-pages ``page_ids [M]``, as raw
     bits through the logical key/value views (layout-independent)."""
-    h, bs, d = key_cache.shape[1:]
+    _, h, bs, d = dims(key_cache)
     it = _INT_OF[key_cache.element_size()]
     per_page = 2 * bs * d
     m = page_ids.numel()
@@ -138,8 +141,8 @@ def store_moments_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, page_i
     buf[: raw.numel()] = raw
     buf = buf.view(m, 2, bs, d)
     blk, lane = _split(page_ids.reshape(-1), h)
-    key_cache.view(it)[blk, lane] = buf[:, 0]
-    value_cache.view(it)[blk, lane] = buf[:, 1]
+    set_pages(key_cache.view(it), blk, lane, buf[:, 0])
+    set_pages(value_cache.view(it), blk, lane, buf[:, 1])
 
 
 def load_moments_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, page_ids: torch.Tensor,

@@ -36,10 +36,12 @@ def _supports(device_type: str, moments: bool = False, need_lse: bool = False, k
     global _HAVE
     if device_type != "cpu" or moments or need_lse or not native:
         return False
+    from .paged import dims
+
     for c in (key_cache, value_cache):
         if c is None:
             continue
-        b, h, bs, d = c.shape
+        b, h, bs, d = dims(c)
         if c.stride(0) != h * c.stride(1) or bs % 32 or \
                 c.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return False
@@ -57,8 +59,10 @@ def ragged_decode_attention_vllm(query, key_cache, value_cache, page_table, seq_
 
     if moments is not None:
         raise ValueError("the vllm_cpu implementation has no moment correction")
+    from .paged import dims
+
     t, hq, d = query.shape
-    _, h, bs, _ = key_cache.shape
+    _, h, bs, _ = dims(key_cache)
     g = hq // h
     n = t * h
     q = query.reshape(n, g, d).contiguous()

@@ -1,0 +1,59 @@
+"""Reading and writing logical ``(block, lane, token, dim)`` elements of a cache view, in either form
+``cpu_layout.cpu_kv_views`` gives: ``[B, H, bs, D]`` (any strides) or the two-level
+``[B, H, bs/tg, tg, D/dg, dg]`` (token ``t = t1*tg + t2``, dim ``c = c1*dg + c2``). Pure torch; the
+reference ops and the evictor index caches only through these."""
+
+from __future__ import annotations
+
+import torch
+
+
+def dims(c: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(num_blocks, H, bs, D)`` of a cache view."""
+    if c.dim() == 4:
+        return tuple(c.shape)
+    nb, h, t1, t2, d1, d2 = c.shape
+    return nb, h, t1 * t2, d1 * d2
+
+
+def as_split(c: torch.Tensor) -> torch.Tensor:
+    """The 6-D form of a view (a 4-D view gets one-element outer levels)."""
+    if c.dim() == 6:
+        return c
+    nb, h, bs, d = c.shape
+    s = c.stride()
+    return c.as_strided((nb, h, 1, bs, d, 1), (s[0], s[1], bs * s[2], s[2], s[3], 1), c.storage_offset())
+
+
+def rows(c: torch.Tensor, blk, lane, off) -> torch.Tensor:
+    """Token rows ``[..., D]`` (a copy) of (block, lane, offset) index tensors."""
+    if c.dim() == 4:
+        return c[blk, lane, off]
+    tg = c.shape[3]
+    r = c[blk, lane, off // tg, off % tg]
+    return r.reshape(*r.shape[:-2], -1)
+
+
+def set_rows(c: torch.Tensor, blk, lane, off, x: torch.Tensor) -> None:
+    if c.dim() == 4:
+        c[blk, lane, off] = x
+        return
+    tg, d1, d2 = c.shape[3], c.shape[4], c.shape[5]
+    c[blk, lane, off // tg, off % tg] = x.reshape(*x.shape[:-1], d1, d2)
+
+
+def pages(c: torch.Tensor, blk, lane=None) -> torch.Tensor:
+    """Whole head-pages ``[..., bs, D]`` in logical order (a copy); ``lane=None``: every lane of the
+    blocks, ``[..., H, bs, D]``."""
+    p = c[blk] if lane is None else c[blk, lane]
+    if c.dim() == 4:
+        return p
+    _, _, bs, d = dims(c)
+    return p.reshape(*p.shape[:-4], bs, d)
+
+
+def set_pages(c: torch.Tensor, blk, lane, x: torch.Tensor) -> None:
+    if c.dim() == 4:
+        c[blk, lane] = x
+        return
+    c[blk, lane] = x.reshape(*x.shape[:-2], *c.shape[2:])
