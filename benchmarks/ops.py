@@ -1,10 +1,13 @@
 """Op benchmark: compaction vs a plain memcpy, ragged decode attention vs vLLM's own CPU kernel.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.ops [--quick] [--out DIR] [--dtype bf16|fp32]
+    OMP_NUM_THREADS=1 python -m benchmarks.ops [--quick] [--out DIR] [--dtype bf16|fp32] [--layout machine|amx]
 
 Model shape like SmolLM2-135M: 30 layers x 3 KV heads x 9 query heads, head_dim 64, block size 32; one
 decode token (batch 1). Caches are vLLM's CPU layout ``[B, H, bs, 2D]`` with the key layout vLLM's own
-cache-write op produces on this machine (``cpu_layout.detect_key_layout``), one cache per layer.
+cache-write op produces on this machine (``cpu_layout.probe_layout``), one cache per layer; ``--layout amx``
+puts our caches in vLLM's AMX bf16 packing instead (probed from vLLM's write op, which runs without AMX
+tiles; vLLM's own kernel then still reads its caches in this machine's layout, and the ``vllm_cpu``
+implementation, which would read our pages with this machine's kernel, is left out).
 
 * compaction: one eviction per layer (each head keeps a random share of ``keep x tokens``, packed with
   lane borrowing), timed against ``torch.Tensor.copy_`` of the same number of kept bytes (K and V), in the
@@ -37,7 +40,7 @@ from tqdm import tqdm  # noqa: E402
 
 from vllm_contour import ops  # noqa: E402
 from vllm_contour.layout import compaction_indices, plan_layout, region_source_table  # noqa: E402
-from vllm_contour.ops.cpu_layout import KEY_TRANSPOSED, cpu_kv_views  # noqa: E402
+from vllm_contour.ops.cpu_layout import cpu_kv_views  # noqa: E402
 
 from benchmarks import stamp
 
@@ -75,7 +78,7 @@ def bench(fns: dict, reps: int, warmup: int = 1) -> dict:
                 "cpu_ms_min": min(cpu[k])} for k in fns}
 
 
-def make_layers(tokens: int, dtype, key_layout: str, seed: int = 0, spare_blocks: int = 0):
+def make_layers(tokens: int, dtype, key_layout, seed: int = 0, spare_blocks: int = 0):
     g = torch.Generator().manual_seed(seed)
     nb = tokens // BS + spare_blocks
     kvs = [torch.randn(nb, H, BS, 2 * D, generator=g).to(dtype) for _ in range(LAYERS)]
@@ -151,7 +154,7 @@ def vllm_native_decode(vllm, kvs, n_tokens: int, q, dtype, scale: float):
 
 
 # ----------------------------------------------------------------------------------------------- decode
-def bench_decode(tokens: int, dtype, key_layout: str, reps: int, impls: list[str], vllm):
+def bench_decode(tokens: int, dtype, key_layout, reps: int, impls: list[str], vllm, same_layout: bool = True):
     g = torch.Generator().manual_seed(tokens)
     nb = tokens // BS
     kvs, views = make_layers(tokens, dtype, key_layout, seed=tokens)
@@ -178,7 +181,7 @@ def bench_decode(tokens: int, dtype, key_layout: str, reps: int, impls: list[str
     if vllm is not None:
         native, out = vllm_native_decode(vllm, kvs, tokens, q, dtype, scale)
         fns["vllm_native"] = native
-        if "cpp" in impls:  # same tokens, dense page table: our kernel must agree with vLLM's
+        if "cpp" in impls and same_layout:  # same tokens, dense page table: our kernel must agree with vLLM's
             dense = (torch.arange(nb).view(1, 1, -1) * H + torch.arange(H).view(1, H, 1)).to(torch.int32)
             native()
             o, _ = ops.ragged_decode_attention(q, *views[-1], dense, seq_lens, scale, impl="cpp")
@@ -330,6 +333,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (~1 min)")
     ap.add_argument("--out", default="results/bench_ops")
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    ap.add_argument("--layout", default="machine", choices=["machine", "amx"],
+                    help="our caches' page layout: what vLLM writes on this machine, or the AMX bf16 packing")
     ap.add_argument("--budget", type=int, default=128, help="tokens per KV head of the compacted request")
     ap.add_argument("--tail", type=int, default=16, help="decoded tokens after the compacted run")
     a = ap.parse_args(argv)
@@ -339,25 +344,32 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
 
     vllm = _vllm()
-    key_layout = KEY_TRANSPOSED
-    if vllm is not None:
-        from vllm_contour.ops.cpu_layout import detect_key_layout
+    from vllm_contour.ops.cpu_layout import PageLayout, probe_layout
 
-        key_layout = detect_key_layout(vllm[1](dtype, BS, D), dtype, BS, D)
+    key_layout = PageLayout.key_transposed(BS, D)
+    if a.layout == "amx":
+        try:
+            key_layout = probe_layout("amx", dtype, BS, D)
+        except Exception:
+            key_layout = PageLayout.amx_bf16(BS, D)
+    elif vllm is not None:
+        key_layout = probe_layout(vllm[1](dtype, BS, D), dtype, BS, D)
     if a.quick:
         comp_sizes, keeps, dec_sizes, reps = [256, 1024, 4096], [0.5], [256, 1024, 4096], 5
     else:
         comp_sizes, keeps, dec_sizes, reps = [256, 512, 1024, 2048, 4096], [0.25, 0.5], \
             [256, 512, 1024, 2048, 4096], 11
     comp_impls = [i for i in ("cpp", "torch") if i in ops.available("compact", "cpu")]
-    dec_impls = [i for i in ("cpp", "vllm_cpu", "torch")
+    dec_impls = [i for i in ("cpp", "vllm_cpu", "torch") if a.layout == "machine" or i != "vllm_cpu"
                  if i in ops.available("ragged_decode_attention", "cpu", native=True,
                                        key_cache=cpu_kv_views(torch.zeros(1, H, BS, 2 * D, dtype=dtype),
                                                               key_layout)[0])]
     jobs = [("compaction", n, k) for n in comp_sizes for k in keeps] + [("decode", n, None) for n in dec_sizes] \
         + [("compacted_vs_full", n, None) for n in dec_sizes]
     result = {"config": {"layers": LAYERS, "kv_heads": H, "q_heads": H * G, "head_dim": D, "block_size": BS,
-                         "dtype": a.dtype, "key_layout": key_layout, "threads": torch.get_num_threads(),
+                         "dtype": a.dtype, "layout": a.layout,
+                         "key_layout": f"{key_layout.source}: key {key_layout.key}, value {key_layout.value}",
+                         "threads": torch.get_num_threads(),
                          "reps": reps, "quick": a.quick, "torch": torch.__version__,
                          "cpu": platform.processor() or platform.machine(),
                          "vllm_isa": vllm[1](dtype, BS, D) if vllm else None},
@@ -366,7 +378,8 @@ def main(argv=None):
         if kind == "compaction":
             result["compaction"].append(bench_compaction(n, keep, dtype, key_layout, reps, comp_impls))
         elif kind == "decode":
-            result["decode"].append(bench_decode(n, dtype, key_layout, max(3, reps // 2), dec_impls, vllm))
+            result["decode"].append(bench_decode(n, dtype, key_layout, max(3, reps // 2), dec_impls, vllm,
+                                                 same_layout=a.layout == "machine"))
         else:
             cvf_impls = ["default"] + [i for i in ("cpp", "torch") if i in dec_impls]
             result["compacted_vs_full"].append(bench_compacted_vs_full(n, a.budget, a.tail, dtype, key_layout,

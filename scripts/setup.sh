@@ -27,4 +27,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! python -c "import 
   echo "$want" > "$stamp"
 fi
 python -m vllm_contour.models fetch "$MODEL" >/dev/null
+# The serving dtype for this CPU (bf16 where AMX / AVX-512-bf16 makes it faster, else fp32), measured once.
+python -m vllm_contour.cpu_dtype --cache "$VENV/.contour-dtype.json" --json | python -c \
+  'import json, sys; r = json.load(sys.stdin); print("[setup] dtype", r["dtype"] + ":", r["why"], file=sys.stderr)'
 echo "[setup] ok: $(python -m vllm_contour.models path "$MODEL")" >&2

@@ -41,7 +41,9 @@ BASE_LLM = dict(dtype="float32", enforce_eager=True, block_size=32, enable_prefi
 
 
 def run_engine(name: str, llm_kwargs: dict, scenarios: list[str], env: dict | None = None,
-               **spec_extra) -> dict:
+               expect_failure: bool = False, **spec_extra) -> dict:
+    """Results of one engine configuration. ``expect_failure``: the engine is expected not to start;
+    returns ``{"rc", "log"}`` instead of raising."""
     if name in _CACHE:
         return _CACHE[name]
     reuse = os.environ.get("CONTOUR_REUSE_ENGINES")  # developer aid: reuse results of an earlier run
@@ -65,6 +67,8 @@ def run_engine(name: str, llm_kwargs: dict, scenarios: list[str], env: dict | No
         proc = subprocess.run([sys.executable, "-m", "tests.integration.engine_driver", str(spec_path),
                                str(out_path)], cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
                               timeout=2400)
+    if expect_failure:
+        return {"rc": proc.returncode, "log": log_path.read_text()}
     if proc.returncode != 0 or not out_path.exists():
         tail = log_path.read_text()[-6000:]
         raise RuntimeError(f"engine {name} failed (rc {proc.returncode}); log tail:\n{tail}")
@@ -86,6 +90,28 @@ def stock(model_dir):
                       ["greedy", "greedy_long", "free_blocks", "concurrency", "context_boundary", "streaming_input"],
                       env={"VLLM_PLUGINS": "none-allowed"},
                       free_cases=[[2000, None]])
+
+
+def bf16_instructions() -> list[str]:
+    from vllm_contour.cpu_dtype import BF16_FLAGS, cpu_flags
+
+    return [f for f in BF16_FLAGS if f in cpu_flags()]
+
+
+@pytest.fixture(scope="session")
+def evicting_bf16(model_dir):
+    """The evicting engine in bf16, the dtype the set-up picks where the CPU has bf16 instructions (on AMX
+    CPUs vLLM's attention then writes the AMX page packing). The greedy prompts run twice: budget above the
+    prompt, and with eviction off for those requests (kv_policy none: the stock path of the same engine)."""
+    if not bf16_instructions():
+        pytest.skip("hardware: this CPU has no bf16 instructions (AMX / AVX-512-bf16), so bf16 is not its "
+                    "serving dtype (vLLM emulates it, several times slower than fp32)")
+    return run_engine("snapkv128_bf16", dict(BASE_LLM, model=model_dir, dtype="bfloat16",
+                                             additional_config={"kv_eviction": {"policy": "snapkv",
+                                                                                "budget": 128}}),
+                      ["greedy", "greedy_none", "free_blocks", "preempt_abort"],
+                      greedy_extra_args={"kv_budget": 100000}, free_cases=[[2000, None], [1000, {"kv_budget": 256}]],
+                      pa_extra_cycle=[{"kv_decode_interval": 32}, {"kv_policy": "none"}])
 
 
 @pytest.fixture(scope="session")

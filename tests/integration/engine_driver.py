@@ -95,6 +95,14 @@ def run_greedy(llm, spec, res):
     res["greedy_free_trace"] = free_trace
 
 
+def run_greedy_none(llm, spec, res):
+    """The greedy prompts again with eviction off for these requests (``kv_policy`` none): the stock tokens
+    of this engine's dtype, to compare with the evicting requests of the same engine."""
+    sub = {}
+    run_greedy(llm, dict(spec, greedy_extra_args={"kv_policy": "none"}), sub)
+    res["greedy_none"] = sub["greedy"]
+
+
 def run_free_blocks(llm, spec, res):
     """One long prompt: vLLM's free-block count before and after its prefill step, and the worker layout."""
     from vllm import SamplingParams
@@ -722,7 +730,7 @@ def run_prefix_stream(llm, spec, res):
     }
 
 
-SCENARIOS = {"prefix_stream": run_prefix_stream, "streaming_input": run_streaming_input, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
+SCENARIOS = {"greedy_none": run_greedy_none, "prefix_stream": run_prefix_stream, "streaming_input": run_streaming_input, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
              "short_moments": run_short_moments, "faults": run_faults,
              "parallel": run_parallel, "greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
              "preempt_abort": run_preempt_abort}

@@ -4,6 +4,8 @@ import math
 
 import pytest
 
+from .conftest import run_engine
+
 
 def test_plugin_off_is_stock(stock, plugin_off):
     # Same greedy tokens for 8 prompts of different lengths, same pool size, same free-block trajectory.
@@ -33,10 +35,8 @@ def _held(case):
     return case["free_before"] - case["free_trace"][0]
 
 
-def test_free_blocks_rise_by_the_layout_prediction(stock, evicting):
-    s = stock["free_blocks"][0]
-    bs = s["block_size"]
-    for case in evicting["free_blocks"]:
+def _check_free_blocks(cases, bs):
+    for case in cases:
         lay = case["layout"]
         assert lay is not None, "request was not compacted"
         n = case["prompt_tokens"]
@@ -45,6 +45,12 @@ def test_free_blocks_rise_by_the_layout_prediction(stock, evicting):
         # vLLM's own pool: held blocks after the prefill step = stock - (E - K)
         assert _held(case) == stock_held - (lay["E"] - lay["K"])
         assert case["free_end"] == case["free_before"]  # all returned when the request ends
+
+
+def test_free_blocks_rise_by_the_layout_prediction(stock, evicting):
+    s = stock["free_blocks"][0]
+    bs = s["block_size"]
+    _check_free_blocks(evicting["free_blocks"], bs)
     assert _held(s) == math.ceil(2000 / bs)
 
 
@@ -76,7 +82,10 @@ def test_preemption_and_aborts_leave_nothing_behind(evicting):
     """Dense requests crowd the pool, so vLLM preempts, some of them evicting requests in the middle of their
     decode-time rounds; aborts on top. Nothing stays in the pool or on the worker, and an evicting request
     holds at most budget + T blocks after every step, before and after it was preempted."""
-    pa = evicting["preempt_abort"]
+    _check_preempt_abort(evicting["preempt_abort"])
+
+
+def _check_preempt_abort(pa):
     assert pa["preemptions"] > 0, "the scenario did not force a preemption"
     assert any(pa["preempted"].get(r, 0) > 0 for r in pa["evicting"]), "no evicting request was preempted"
     assert pa["rounds"] > 0
@@ -327,3 +336,31 @@ def test_prefix_caching_on_gives_the_tokens_of_prefix_caching_off(evicting, pref
     for res in (on, off):  # nothing left: vLLM counts cached-but-unreferenced blocks as free
         assert res["free_end"] == res["num_blocks"] - 1
         assert res["manager_reqs_left"] == 0 and res["worker_requests_left"] == []
+
+
+def test_bf16_budget_above_prompt_gives_the_tokens_without_eviction(evicting_bf16):
+    """bf16 (the set-up's dtype on CPUs with bf16 instructions): budget >= prompt gives, token for token, the
+    greedy tokens of the same prompts with eviction off in the same engine."""
+    e = evicting_bf16
+    assert e["connector"] == "ContourKVConnector"
+    assert all(len(t) == 24 for t in e["greedy_none"])
+    assert e["greedy"] == e["greedy_none"]
+
+
+def test_bf16_frees_blocks_and_survives_preemption_and_aborts(evicting_bf16):
+    _check_free_blocks(evicting_bf16["free_blocks"], evicting_bf16["free_blocks"][0]["block_size"])
+    _check_preempt_abort(evicting_bf16["preempt_abort"])
+
+
+def test_unknown_cache_layout_stops_engine_start_up(tiny_model_dir):
+    """A cache layout eviction cannot read stops the engine at start-up (the layout probe runs when the
+    worker registers its caches), with a message naming ISA and dtype and the way out; it never reaches a
+    request. Forced with the test-only fault switch: the probe sees vLLM's write through a scrambled page."""
+    from .conftest import TINY_LLM
+
+    res = run_engine("bad_layout", dict(TINY_LLM, model=tiny_model_dir), ["greedy"],
+                     env={"VLLM_CONTOUR_FAULTS": "layout=scramble"}, expect_failure=True)
+    assert res["rc"] != 0
+    assert "unknown layout of vLLM's CPU cache for isa=vec dtype=float32 block_size=32" in res["log"], \
+        res["log"][-3000:]
+    assert "without --kv-eviction-policy" in res["log"]
