@@ -131,6 +131,50 @@ inline void load_dims(const Cache<T>& X, const T* p, float* __restrict out) {
   for (int64_t c = 0; c < X.D / X.dg; ++c) load_row(p + c * X.cs1, X.cs2, X.dg, out + c * X.dg);
 }
 
+// A two-level page whose (tg x dg) inner blocks are contiguous runs (vLLM's AMX packing: keys 16 tokens x
+// 2 dims, values 2 tokens x 16 dims): read run by run in memory order, then placed.
+template <typename T>
+inline bool dense_blocks(const Cache<T>& X) {
+  return X.tg < X.bs && !X.flat_dims() && ((X.ts2 == 1 && X.cs2 == X.tg) || (X.cs2 == 1 && X.ts2 == X.dg));
+}
+
+// tokens [0, n) of such a page into fp32 rows (out[t * D + c]) or columns (out[c * ld + t]); blk: tg*dg floats
+template <bool COLUMNS, typename T>
+void unpack_page(const Cache<T>& X, const T* base, int64_t n, float* __restrict out, int64_t ld,
+                 float* __restrict blk) {
+  const int64_t tg = X.tg, dg = X.dg, D = X.D, run = tg * dg;
+  const bool rows_adjacent = X.cs1 == run;  // a token group's runs follow each other (AMX keys): one load
+  for (int64_t t1 = 0; t1 * tg < n; ++t1) {
+    const int64_t nt = std::min(tg, n - t1 * tg);
+    if (rows_adjacent) load_row(base + t1 * X.ts1, 1, run * (D / dg), blk);
+    for (int64_t c1 = 0; c1 < D / dg; ++c1) {
+      const float* cur = blk;
+      if (rows_adjacent)
+        cur = blk + c1 * run;
+      else
+        load_row(base + t1 * X.ts1 + c1 * X.cs1, 1, run, blk);  // within the page even past n
+      // the inner loop runs along the output (contiguous stores, strided fp32 reads of the run)
+      if constexpr (COLUMNS) {
+        for (int64_t c2 = 0; c2 < dg; ++c2) {
+          float* __restrict o = out + (c1 * dg + c2) * ld + t1 * tg;
+          const float* b = cur + c2 * X.cs2;
+          const int64_t s = X.ts2;
+#pragma omp simd
+          for (int64_t t2 = 0; t2 < nt; ++t2) o[t2] = b[t2 * s];
+        }
+      } else {
+        for (int64_t t2 = 0; t2 < nt; ++t2) {
+          float* __restrict o = out + (t1 * tg + t2) * D + c1 * dg;
+          const float* b = cur + t2 * X.ts2;
+          const int64_t s = X.cs2;
+#pragma omp simd
+          for (int64_t c2 = 0; c2 < dg; ++c2) o[c2] = b[c2 * s];
+        }
+      }
+    }
+  }
+}
+
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -247,11 +291,34 @@ inline void copy_row(U* dst, int64_t ds, const U* src, int64_t ss, int64_t D) {
 }
 
 // one token row between cache rows (layout addressing) and / or a contiguous buffer row
+// n words of type W at word strides ds / ss (one chunk of a two-level row per word)
+template <typename W>
+inline void copy_words(void* dst, int64_t ds, const void* src, int64_t ss, int64_t n) {
+  W* d = static_cast<W*>(dst);
+  const W* s = static_cast<const W*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    W w;
+    std::memcpy(&w, s + i * ss, sizeof(W));
+    std::memcpy(d + i * ds, &w, sizeof(W));
+  }
+}
+
 template <typename U>
 inline void move_row(const Cache<U>& X, U* dst, bool dst_cache, const U* src, bool src_cache) {
   if (X.flat_dims()) {
     copy_row<U>(dst, dst_cache ? X.cs2 : 1, src, src_cache ? X.cs2 : 1, X.D);
     return;
+  }
+  // contiguous chunks of dg elements (the AMX key packing: pairs of dims): one word per chunk
+  const int64_t n1 = X.D / X.dg, bytes = X.dg * static_cast<int64_t>(sizeof(U));
+  if (X.cs2 == 1 && (X.cs1 * static_cast<int64_t>(sizeof(U))) % bytes == 0) {
+    const int64_t ds = dst_cache ? X.cs1 / X.dg : 1, ss = src_cache ? X.cs1 / X.dg : 1;
+    switch (bytes) {
+      case 2: copy_words<uint16_t>(dst, ds, src, ss, n1); return;
+      case 4: copy_words<uint32_t>(dst, ds, src, ss, n1); return;
+      case 8: copy_words<uint64_t>(dst, ds, src, ss, n1); return;
+      default: break;
+    }
   }
   for (int64_t c = 0; c < X.D / X.dg; ++c)
     copy_row<U>(dst + c * (dst_cache ? X.cs1 : X.dg), dst_cache ? X.cs2 : 1,
@@ -521,10 +588,14 @@ void decode_kernel(const TQ* q, int64_t qs0, int64_t qs1, int64_t qs2, Cache<T> 
   const int64_t bs = K.bs;
   // key page stored [D, bs] (vLLM's CPU vec kernels): logits by columns
   const bool k_transposed = K.tg >= bs && K.ts2 == 1 && K.flat_dims() && K.cs2 != 1 && D > 1;
+  // any other layout whose key rows are not contiguous (the AMX packing: 16-token groups, dims in pairs):
+  // the page is unpacked into the same [D, bs] fp32 columns, walking it in its own order, then by columns
+  const bool k_columns = k_transposed || (!(K.flat_dims() && K.cs2 == 1) && D > 1);
+  const bool k_blocks = dense_blocks(K), v_pages = dense_blocks(V);
 #pragma omp parallel
   {
     std::vector<float> qs(G * D), acc(G * D), kb(bs * D), vb(4 * D), lg(G * bs), m(G), l(G), tmp(D), ob(G * D),
-        lb(G);
+        lb(G), blk(bs * D), vpage(v_pages ? bs * D : 0);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t th = 0; th < T_ * H; ++th) {
       const int64_t t = th / H, h = th % H;
@@ -542,6 +613,18 @@ void decode_kernel(const TQ* q, int64_t qs0, int64_t qs1, int64_t qs2, Cache<T> 
         if (k_transposed) {  // key page stored [D, bs] (vLLM's CPU vec kernels): logits by columns
           const T* base = K.row(page, 0);
           for (int64_t d = 0; d < D; ++d) load_row(base + d * K.cs2, 1, n, kb.data() + d * bs);
+        } else if (k_blocks) {
+          unpack_page<true>(K, K.row(page, 0), n, kb.data(), bs, blk.data());
+        } else if (k_columns) {  // two-level layout: token group t1, dim group c1, dim c2, tokens t2 (stride ts2)
+          const T* base = K.row(page, 0);
+          const int64_t tg = std::min(K.tg, bs), dg = K.flat_dims() ? D : K.dg;
+          for (int64_t t1 = 0; t1 * tg < n; ++t1) {
+            const int64_t nt = std::min(tg, n - t1 * tg);
+            for (int64_t c1 = 0; c1 < D / dg; ++c1)
+              for (int64_t c2 = 0; c2 < dg; ++c2)
+                load_row(base + t1 * K.ts1 + c1 * K.cs1 + c2 * K.cs2, K.ts2, nt,
+                         kb.data() + (c1 * dg + c2) * bs + t1 * tg);
+          }
         } else {
           for (int64_t j = 0; j < n; ++j) load_dims(K, K.row(page, j), kb.data() + j * D);
         }
@@ -549,7 +632,7 @@ void decode_kernel(const TQ* q, int64_t qs0, int64_t qs1, int64_t qs2, Cache<T> 
           float* lgg = lg.data() + g * bs;
           const float* qg = qs.data() + g * D;
           int64_t j = 0;
-          if (k_transposed) {
+          if (k_columns) {
             std::fill(lgg, lgg + n, 0.f);
             int64_t d = 0;
             for (; d + 4 <= D; d += 4) axpy4(lgg, qg + d, kb.data() + d * bs, n, bs);
@@ -575,6 +658,13 @@ void decode_kernel(const TQ* q, int64_t qs0, int64_t qs1, int64_t qs2, Cache<T> 
           m[g] = mnew;
         }
         int64_t j = 0;
+        if (v_pages) {  // the whole value page unpacked into rows once
+          unpack_page<false>(V, V.row(page, 0), n, vpage.data(), D, blk.data());
+          for (; j + 4 <= n; j += 4)
+            for (int64_t g = 0; g < G; ++g) axpy4(acc.data() + g * D, lg.data() + g * bs + j, vpage.data() + j * D, D);
+          for (; j < n; ++j)
+            for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, lg[g * bs + j], vpage.data() + j * D, D);
+        }
         for (; j + 4 <= n; j += 4) {
           for (int64_t r = 0; r < 4; ++r) load_dims(V, V.row(page, j + r), vb.data() + r * D);
           for (int64_t g = 0; g < G; ++g) axpy4(acc.data() + g * D, lg.data() + g * bs + j, vb.data(), D);

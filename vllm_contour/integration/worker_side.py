@@ -90,7 +90,8 @@ class WorkerSide:
     # ------------------------------------------------------------------ start-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Every "can eviction run here" check happens here, at engine start: the cache layout probe (an
-        unknown layout stops the engine with a message naming dtype and ISA), the ops' implementations."""
+        unknown layout stops the engine with a message naming dtype and ISA), one attention scale for all
+        layers, the ops' implementations (missing C++ kernels: a warning, the torch reference runs)."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         from vllm_contour.integration.backend import layer_kv_views, layer_layout
@@ -104,6 +105,7 @@ class WorkerSide:
         k0 = self._views[0][0]
         _, heads, bs, hd = dims(k0)
         self._shape = CacheShape(block_size=bs, num_kv_heads=heads, head_dim=hd, elem_size=k0.element_size())
+        self._layer_scale()  # layers with different attention scales cannot share one round: stop here
         impls = ops.implementations("cpu")
         self._stats.info("ops", impls)
         from vllm_contour.ops import cpu_ext
