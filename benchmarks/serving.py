@@ -2,8 +2,8 @@
 
 Starts ``vllm-contour serve`` on the default model once *stock* (no eviction flag) and once per eviction
 policy (``--kv-eviction-policy snapkv --kv-budget 128``; also ``contour`` in the full run), all with the
-same small pool (``--block-size 32 --num-gpu-blocks-override N``, ``--dtype`` fp32 by default, eager, prefix caching off), and
-drives every server with the same workload through vLLM's own benchmark client (``vllm bench serve
+same small pool (``--block-size 32 --num-gpu-blocks-override N``, ``--dtype`` fp32 by default, eager, prefix
+caching off), and drives every server with the same workload through vLLM's own benchmark client (``vllm bench serve
 --backend openai --dataset-name random --random-input-len 2000 --random-output-len L --ignore-eos
 --max-concurrency C --num-prompts N``, same seed, so the same prompts). While a run is in flight a
 background thread polls ``/metrics`` every 0.5 s (``vllm:num_requests_running``,

@@ -1,9 +1,10 @@
 """One eviction round of one request: plan first (policy -> layout -> moves; nothing is written), then apply
 (moments -> compaction -> moment storage, only through ``ops``). Pure torch.
 
-The caller hands per-layer ``(key_cache, value_cache)`` views ``[num_blocks, H, bs, D]`` (any strides, or the two-level form of ``ops.paged``), the
-request's block ids in logical order (freed blocks may appear as anything: they are never read), how many
-tokens have KV, the request's page budget and, for query-aware policies, the captured window queries.
+The caller hands per-layer ``(key_cache, value_cache)`` views ``[num_blocks, H, bs, D]`` (any strides, or
+the two-level form of ``ops.paged``), the request's block ids in logical order (freed blocks may appear as
+anything: they are never read), how many tokens have KV, the request's page budget and, for query-aware
+policies, the captured window queries.
 
 A round looks at the request's *candidates*. The first round: every token of its full blocks ``[0, E2)``
 (with ``kv_context_len`` in ``score_only`` mode: of the context's full blocks). A later round: each head's

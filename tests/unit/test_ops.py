@@ -7,7 +7,6 @@ The C++ kernels come from the installed ``vllm_contour._C``, else they are JIT-c
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -189,11 +188,11 @@ def test_decode_vllm_cpu_without_moments(cpp):
         pytest.skip("vLLM's CPU kernels are not importable")
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from vllm_contour.ops.cpu_layout import cpu_kv_views, detect_key_layout
+    from vllm_contour.ops.cpu_layout import cpu_kv_views, probe_layout
 
     bs, d = 32, 64
     for dtype in (torch.float32, torch.bfloat16):
-        layout = detect_key_layout(_get_attn_isa(dtype, bs, d), dtype, bs, d)
+        layout = probe_layout(_get_attn_isa(dtype, bs, d), dtype, bs, d)
         kv = torch.randn(NB, H, bs, 2 * d).to(dtype)
         k, v = cpu_kv_views(kv, layout)
         pt, sl = decode_case(6, NB, H, bs, t_rows=3, long_tail=True)
@@ -221,8 +220,6 @@ def test_probed_layouts_are_what_vllm_writes():
     AMX bf16 packing is probed where this machine's vLLM can write it (no AMX tiles are needed to write),
     else it is covered by ``PageLayout.amx_bf16``, the formula the probe measured, in every op test
     (``cpu_amx``). The test says which were probed for real."""
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed")
     probed, synthetic = [], []
     for isa in ("vec", "vec16", "amx"):
         rows, err = _probe(isa)

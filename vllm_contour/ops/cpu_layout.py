@@ -211,11 +211,6 @@ def _advice(dtype: torch.dtype) -> str:
     return f"Start the server {other}without --kv-eviction-policy"
 
 
-def detect_key_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> PageLayout:
-    """Kept for callers of the first API: the whole page layout (``probe_layout``)."""
-    return probe_layout(isa, dtype, block_size, head_dim)
-
-
 def raw_pages(key_cache: torch.Tensor) -> torch.Tensor:
     """``[B*H, page_elems]`` view of whole head-pages (keys + values) in vLLM's CPU layout, where every
     head-page is one contiguous run of ``2*bs*D`` elements starting at the key view's page base."""
