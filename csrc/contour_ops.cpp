@@ -28,6 +28,7 @@
 #include <memory>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX__)
@@ -143,6 +144,51 @@ template <bool COLUMNS, typename T>
 void unpack_page(const Cache<T>& X, const T* base, int64_t n, float* __restrict out, int64_t ld,
                  float* __restrict blk) {
   const int64_t tg = X.tg, dg = X.dg, D = X.D, run = tg * dg;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // bf16 pairs (the AMX VNNI packing): one 32-bit word holds the two elements of a pair, so a word
+    // splits into two fp32 values (low half << 16, high half masked) with contiguous loads and stores
+    using u32a = uint32_t __attribute__((may_alias));
+    constexpr uint32_t kHigh = 0xffff0000u;
+    if (COLUMNS && dg == 2 && X.cs2 == 1 && X.ts2 == 2) {  // pairs of dims: word t2 of a run is token t2
+      for (int64_t t1 = 0; t1 * tg < n; ++t1) {
+        const int64_t nt = std::min(tg, n - t1 * tg);
+        for (int64_t c1 = 0; c1 < D / 2; ++c1) {
+          const u32a* w = reinterpret_cast<const u32a*>(base + t1 * X.ts1 + c1 * X.cs1);
+          u32a* e = reinterpret_cast<u32a*>(out + 2 * c1 * ld + t1 * tg);
+          u32a* o = reinterpret_cast<u32a*>(out + (2 * c1 + 1) * ld + t1 * tg);
+#pragma omp simd
+          for (int64_t t2 = 0; t2 < nt; ++t2) {
+            const uint32_t x = w[t2];
+            e[t2] = x << 16;
+            o[t2] = x & kHigh;
+          }
+        }
+      }
+      return;
+    }
+    if (!COLUMNS && tg == 2 && X.ts2 == 1 && X.cs2 == 2) {  // pairs of tokens: word c2 of a run is dim c2
+      for (int64_t t1 = 0; 2 * t1 < n; ++t1) {
+        const bool both = 2 * t1 + 1 < n;
+        for (int64_t c1 = 0; c1 < D / dg; ++c1) {
+          const u32a* w = reinterpret_cast<const u32a*>(base + t1 * X.ts1 + c1 * X.cs1);
+          u32a* e = reinterpret_cast<u32a*>(out + 2 * t1 * D + c1 * dg);
+          if (both) {
+            u32a* o = reinterpret_cast<u32a*>(out + (2 * t1 + 1) * D + c1 * dg);
+#pragma omp simd
+            for (int64_t c2 = 0; c2 < dg; ++c2) {
+              const uint32_t x = w[c2];
+              e[c2] = x << 16;
+              o[c2] = x & kHigh;
+            }
+          } else {
+#pragma omp simd
+            for (int64_t c2 = 0; c2 < dg; ++c2) e[c2] = w[c2] << 16;
+          }
+        }
+      }
+      return;
+    }
+  }
   const bool rows_adjacent = X.cs1 == run;  // a token group's runs follow each other (AMX keys): one load
   for (int64_t t1 = 0; t1 * tg < n; ++t1) {
     const int64_t nt = std::min(tg, n - t1 * tg);

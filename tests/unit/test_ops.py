@@ -275,6 +275,27 @@ def test_ops_agree_across_layouts(cpp, dtype):
         torch.testing.assert_close(lse, base[4], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_on_the_amx_packing_at_vllms_block_size(cpp, dtype):
+    """vLLM's AMX packing at block 32, head dim 64 (16-token key groups inside a page, value token pairs;
+    the kernel's bf16 pair path), partial pages of odd lengths, moments on: equals the reference."""
+    from vllm_contour.ops.cpu_layout import PageLayout, cpu_kv_views
+
+    bs, d = 32, 64
+    kv = torch.randn(NB, H, bs, 2 * d, generator=torch.Generator().manual_seed(8)).to(dtype)
+    k, v = cpu_kv_views(kv, PageLayout.amx_bf16(bs, d))
+    assert k.dim() == 6 and v.dim() == 6
+    for seed in range(3):
+        pt, sl = decode_case(seed, NB, H, bs, t_rows=3, long_tail=seed == 0)
+        sl = torch.where(sl % 2 == 0, (sl - 1).clamp(min=0), sl)  # odd lengths: a last value pair half used
+        q = torch.randn(pt.shape[0], H * G, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        mom = random_moments(seed, pt.shape[0], H, d) if seed else None
+        want_o, want_l = ragged_decode_attention_ref(q, k, v, pt, sl, d ** -0.5, moments=mom)
+        got_o, got_l = ops.ragged_decode_attention(q, k, v, pt, sl, d ** -0.5, moments=mom, impl=cpp, need_lse=True)
+        torch.testing.assert_close(got_o.float(), want_o.float(), **tol(dtype))
+        torch.testing.assert_close(got_l, want_l, rtol=1e-5, atol=1e-4)
+
+
 def test_moments_storage_round_trips_on_every_layout():
     from vllm_contour.moments import Moments, pack
 
