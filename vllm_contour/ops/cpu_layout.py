@@ -37,12 +37,6 @@ class Split:
     cs1: int
     cs2: int
 
-    def offsets(self, bs: int, d: int) -> torch.Tensor:
-        t = torch.arange(bs).view(-1, 1)
-        c = torch.arange(d).view(1, -1)
-        return (t // self.tg) * self.ts1 + (t % self.tg) * self.ts2 + (c // self.dg) * self.cs1 + \
-            (c % self.dg) * self.cs2
-
 
 @dataclass(frozen=True)
 class PageLayout:
@@ -67,11 +61,6 @@ class PageLayout:
         16-token groups, dims in interleaved pairs; values in 16-dim column groups, tokens in interleaved
         pairs. Used where the machine's vLLM cannot write that layout."""
         return PageLayout(bs, d, Split(16, 16 * d, 2, 2, 32, 1), Split(2, 32, 1, 16, 16 * bs, 2), source)
-
-    def offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([bs, D], [bs, D])`` element offsets of keys and values inside a head-page."""
-        bs, d = self.block_size, self.head_dim
-        return self.key.offsets(bs, d), bs * d + self.value.offsets(bs, d)
 
     @property
     def flat(self) -> bool:
@@ -209,15 +198,3 @@ def probe_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int,
 def _advice(dtype: torch.dtype) -> str:
     other = "" if dtype == torch.float32 else "with --dtype float32 (vLLM's 'vec' layout) or "
     return f"Start the server {other}without --kv-eviction-policy"
-
-
-def raw_pages(key_cache: torch.Tensor) -> torch.Tensor:
-    """``[B*H, page_elems]`` view of whole head-pages (keys + values) in vLLM's CPU layout, where every
-    head-page is one contiguous run of ``2*bs*D`` elements starting at the key view's page base."""
-    from .paged import dims
-
-    nb, h, bs, d = dims(key_cache)
-    s1 = key_cache.stride(1)
-    if key_cache.stride(0) != h * s1 or s1 != 2 * bs * d:
-        raise ValueError("head-pages are not contiguous in this cache layout")
-    return key_cache.as_strided((nb * h, 2 * bs * d), (s1, 1), key_cache.storage_offset())

@@ -16,15 +16,6 @@ def dims(c: torch.Tensor) -> tuple[int, int, int, int]:
     return nb, h, t1 * t2, d1 * d2
 
 
-def as_split(c: torch.Tensor) -> torch.Tensor:
-    """The 6-D form of a view (a 4-D view gets one-element outer levels)."""
-    if c.dim() == 6:
-        return c
-    nb, h, bs, d = c.shape
-    s = c.stride()
-    return c.as_strided((nb, h, 1, bs, d, 1), (s[0], s[1], bs * s[2], s[2], s[3], 1), c.storage_offset())
-
-
 def rows(c: torch.Tensor, blk, lane, off) -> torch.Tensor:
     """Token rows ``[..., D]`` (a copy) of (block, lane, offset) index tensors."""
     if c.dim() == 4:
