@@ -5,19 +5,24 @@ question per fact, sent to ``vllm-contour serve`` in three configurations on the
 
 - ``stock_pc``: stock vLLM with prefix caching (it shares the dense document between requests);
 - ``evict_pc``: eviction (``--kv-eviction-policy P --kv-budget B``) with prefix caching on, each request
-  marking the document as its context (``vllm_xargs: {"kv_context_len": len(document)}``): the dense
-  document stays in vLLM's prefix cache while the pool has room, so a later request prefills only its
-  question (and the observation window the policy scores with), then compresses its own copy;
+  marking the document as its context (``vllm_xargs: {"kv_context_len": len(document)}``): the first
+  request compresses the document once and every later one adopts that shared compressed copy as its
+  prefix-cache hit and prefills only its question over it (``--kv-share-contexts``, the default);
+- ``evict_pc_noshare``: the same with ``--no-kv-share-contexts``: the dense document stays in vLLM's prefix
+  cache while the pool has room, so a later request prefills only its question (and the observation window
+  the policy scores with) from the boundary's block on, then compresses its own copy;
 - ``evict_nopc``: the same eviction with ``--no-enable-prefix-caching``: every request prefills the whole
   document.
 
 Phase 1 sends the questions one at a time (greedy, ``--answer-tokens`` tokens, streamed): TTFT of each and
-its answer, graded by the first four-digit number in it (exact match with the room's code). Phase 2 sends
+its answer, graded by the first four-digit number in it (exact match with the room's code), and the
+``cached_tokens`` vLLM reports in its usage (``--enable-prompt-tokens-details``). Phase 2 sends
 the same questions all at once with ``--output-len`` tokens each (``ignore_eos``): output tokens/s, peak
 running requests (``/metrics`` polled), preemptions, and the plugin's counters. Writes
 ``shared_doc.json`` (every number, the load average) and prints the table.
 
     python -m benchmarks.shared_doc [--pool 128] [--output-len 256] [--policy snapkv] [--budget 128]
+                                    [--decode-interval T]
 """
 
 from __future__ import annotations
@@ -84,7 +89,7 @@ def stream_completion(base_url: str, body: dict, timeout: float = 900.0) -> dict
     req = urllib.request.Request(base_url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    ttft, text, tokens = None, [], None
+    ttft, text, tokens, cached = None, [], None, None
     with urllib.request.urlopen(req, timeout=timeout) as r:
         for raw in r:
             line = raw.decode().strip()
@@ -97,12 +102,15 @@ def stream_completion(base_url: str, body: dict, timeout: float = 900.0) -> dict
                 text.append(ch.get("text") or "")
             if ev.get("usage"):
                 tokens = ev["usage"].get("completion_tokens")
-    return {"ttft": ttft, "latency": time.perf_counter() - t0, "text": "".join(text), "tokens": tokens}
+                cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    return {"ttft": ttft, "latency": time.perf_counter() - t0, "text": "".join(text), "tokens": tokens,
+            "cached_tokens": cached}
 
 
 CONFIGS = {
     "stock_pc": dict(evict=False, prefix=True),
     "evict_pc": dict(evict=True, prefix=True),
+    "evict_pc_noshare": dict(evict=True, prefix=True, share=False),
     "evict_nopc": dict(evict=True, prefix=False),
 }
 
@@ -110,9 +118,14 @@ CONFIGS = {
 def server_flags(cfg: dict, opts, max_model_len: int) -> list[str]:
     flags = ["--dtype", "float32", "--enforce-eager", "--block-size", str(opts.block_size),
              "--num-gpu-blocks-override", str(opts.pool), "--max-model-len", str(max_model_len), "--seed", "0",
-             "--enable-prefix-caching" if cfg["prefix"] else "--no-enable-prefix-caching"]
+             "--enable-prefix-caching" if cfg["prefix"] else "--no-enable-prefix-caching",
+             "--enable-prompt-tokens-details"]
     if cfg["evict"]:
         flags += ["--kv-eviction-policy", opts.policy, "--kv-budget", str(opts.budget)]
+        if getattr(opts, "decode_interval", None) is not None:
+            flags += ["--kv-decode-interval", str(opts.decode_interval)]
+        if not cfg.get("share", True):
+            flags += ["--no-kv-share-contexts"]
     return flags
 
 
@@ -173,6 +186,8 @@ def run_config(name: str, cfg: dict, opts, doc, questions, codes, out: Path, env
         "mean_running": (sum(s["running"] for s in samples) / len(samples)) if samples else None,
         "preemptions": delta("vllm:num_preemptions"),
         "prefix_hits_tokens": delta("vllm:prefix_cache_hits"), "prefix_queries_tokens": delta("vllm:prefix_cache_queries"),
+        "cached_tokens_rest_mean": sum(r["cached_tokens"] or 0 for r in seq[1:]) / max(1, len(seq) - 1),
+        "shared_hits": delta("vllm:contour_shared_context_hits"),
         "freed_blocks": delta("vllm:contour_freed_blocks"), "private_blocks": delta("vllm:contour_private_blocks"),
         "mean_kv_tokens": (delta("vllm:contour_request_mean_kv_tokens_sum") or 0) /
                           max(1.0, delta("vllm:contour_request_mean_kv_tokens_count") or 0)
@@ -193,6 +208,8 @@ def main(argv=None) -> int:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--policy", default="snapkv")
     p.add_argument("--budget", type=int, default=128)
+    p.add_argument("--decode-interval", type=int, default=None, help="T of the evicting configs (default: the "
+                   "plugin's, 64; 0 = no decode-time rounds, the shared context stays shared to the end)")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--seed", type=int, default=0)
     opts = p.parse_args(argv)
@@ -229,9 +246,11 @@ def table(record: dict) -> str:
     for r in record["runs"]:
         ratio = None if base is None else r["output_tok_s"] / base["output_tok_s"]
         rows.append([r["name"], record["args"]["pool"], r["ttft_first_s"], r["ttft_rest_mean_s"],
-                     r["ttft_rest_over_first"], f"{r['right']}/{n}", r["output_tok_s"], ratio,
+                     r["ttft_rest_over_first"], r.get("cached_tokens_rest_mean"), f"{r['right']}/{n}",
+                     r["output_tok_s"], ratio,
                      r["peak_running"], r["mean_running"], r["preemptions"], r["mean_kv_tokens"]])
-    return md_table(["config", "pool", "TTFT 1st s", f"TTFT 2-{n} s", "ratio", "right", "out tok/s",
+    return md_table(["config", "pool", "TTFT 1st s", f"TTFT 2-{n} s", "ratio", f"cached 2-{n}", "right",
+                     "out tok/s",
                      "x stock_pc", "peak running", "mean running", "preemptions", "mean KV/head"], rows)
 
 

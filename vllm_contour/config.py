@@ -114,6 +114,8 @@ class EvictionConfig:
         head-pages and counted against the budget) and correct decode attention with them; None (default)
         = what the preset's method does (on for the MomentKV presets, off otherwise).
     policy_args: knobs of the preset's components (``vllm_contour.policies.policy_knobs``).
+    share_contexts: with prefix caching on, a request's compressed context (``kv_context_len``) is shared by
+        later requests that start with the same context and settings (default on).
     """
 
     policy: str = "none"
@@ -124,6 +126,7 @@ class EvictionConfig:
     moment_correction: bool | None = None
     decode_interval: int | None = None
     policy_args: dict[str, Any] = field(default_factory=dict)
+    share_contexts: bool = True
 
     @property
     def enabled(self) -> bool:
@@ -152,14 +155,15 @@ class EvictionConfig:
                               ("decode_interval", 0)):
             if name in raw and not (name == "decode_interval" and raw[name] is None):
                 kw[name] = _check_int(f"{source}.{name}", raw[name], minimum)
-        if raw.get("moment_correction") is not None:
-            kw["moment_correction"] = _check_bool(f"{source}.moment_correction", raw["moment_correction"])
+        for name in ("moment_correction", "share_contexts"):
+            if raw.get(name) is not None:
+                kw[name] = _check_bool(f"{source}.{name}", raw[name])
         if raw.get("policy_args"):
             kw["policy_args"] = check_policy_args(f"{source}.policy_args", raw["policy_args"],
                                                   kw.get("policy", "none"))
         cfg = cls(**kw)
         if not cfg.enabled:
-            extra = sorted(k for k in raw if k != "policy" and raw[k] not in (None, {}))
+            extra = sorted(k for k in raw if k not in ("policy", "share_contexts") and raw[k] not in (None, {}))
             if extra:
                 raise EvictionConfigError(
                     f"{source}: {', '.join(extra)} given but the eviction policy is 'none' (eviction off); "
@@ -257,6 +261,7 @@ def resolve_request(server: EvictionConfig, extra_args: Mapping[str, Any] | None
     request that picks another policy starts from no knobs; its own ``kv_policy_args`` are checked
     against the policy it ends up with. ``moment_correction`` unset = the preset's method."""
     kw = server.to_dict()
+    kw.pop("share_contexts")
     over = request_overrides(extra_args)
     if over.get("policy", server.policy) != server.policy:
         kw["policy_args"] = {}

@@ -86,7 +86,8 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def moment_server(tmp_path_factory):
     base, log, proc = _start(tmp_path_factory, "serve_moments",
-                             ["--kv-eviction-policy", "snapkv", "--kv-budget", "128", "--kv-moment-correction"])
+                             ["--kv-eviction-policy", "snapkv", "--kv-budget", "128", "--kv-moment-correction",
+                              "--enable-prompt-tokens-details"])
     try:
         yield base, log, proc
     finally:
@@ -303,3 +304,31 @@ def test_accounting_metrics_in_metrics_endpoint(moment_server):
     assert delta("vllm:contour_request_peak_kv_tokens_count") == 1
     peak = delta("vllm:contour_request_peak_kv_tokens_sum")
     assert 128 < peak <= 128 + 64 + 32, peak  # it grew past the budget, then rounds held it within
+
+
+def test_shared_compressed_context_counts_as_cached_tokens(moment_server):
+    """Prefix caching is on (vLLM's default): two requests on one 700-token context with kv_context_len (the
+    second with another question) -- the second adopts the first's compressed context (moments included),
+    and vLLM's usage reports its 700 cached tokens; the plugin's and vLLM's counters count the hit."""
+    from benchmarks.serving import parse_prometheus
+
+    base, _, _ = moment_server
+
+    def total(samples, name):
+        return sum(v for n, _, v in samples if n == name)
+
+    before = parse_prometheus(_metrics(base))
+    doc = [700 + (i * 37) % 5000 for i in range(700)]
+    usage = []
+    for q in ([11, 12, 13, 14], [21, 22, 23, 24, 25]):
+        code, out = _post(base + "/v1/completions", {"model": "smollm2", "prompt": doc + q, "max_tokens": 8,
+                                                     "temperature": 0, "vllm_xargs": {"kv_context_len": 700}})
+        assert code == 200, out
+        usage.append(out["usage"])
+    after = parse_prometheus(_metrics(base))
+    assert (usage[1].get("prompt_tokens_details") or {}).get("cached_tokens") == 700, usage
+    assert total(after, "vllm:contour_shared_context_hits_total") - \
+        total(before, "vllm:contour_shared_context_hits_total") == 1
+    assert total(after, "vllm:contour_shared_contexts_total") - total(before, "vllm:contour_shared_contexts_total") == 1
+    assert total(after, "vllm:prefix_cache_hits_total") - total(before, "vllm:prefix_cache_hits_total") >= 700
+    assert total(after, "vllm:contour_shared_context_entries") >= 1

@@ -135,7 +135,7 @@ def evicting(model_dir):
                                         additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
                       ["greedy", "greedy_long", "greedy_evicted", "free_blocks", "concurrency", "preempt_abort",
                        "presets", "decode_bound", "budget_formula", "short_moments", "context_boundary", "protocol",
-                       "spec_decode", "streaming_input", "prefix_stream"],
+                       "spec_decode", "streaming_input", "prefix_stream", "shared_context"],
                       greedy_extra_args={"kv_budget": 100000}, long_extra_args={"kv_budget": 1024},
                       free_cases=[[2000, {"kv_policy": "adakv"}], [2000, {"kv_policy": "streaming"}],
                                   [1000, {"kv_budget": 256}]],
@@ -149,7 +149,7 @@ def prefix_cached(model_dir):
     return run_engine("snapkv128_prefix", dict(BASE_LLM, model=model_dir, enable_prefix_caching=True,
                                                additional_config={"kv_eviction": {"policy": "snapkv",
                                                                                   "budget": 128}}),
-                      ["prefix_stream"])
+                      ["prefix_stream", "shared_context"])
 
 
 @pytest.fixture(scope="session")

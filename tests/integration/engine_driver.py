@@ -730,7 +730,96 @@ def run_prefix_stream(llm, spec, res):
     }
 
 
-SCENARIOS = {"greedy_none": run_greedy_none, "prefix_stream": run_prefix_stream, "streaming_input": run_streaming_input, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
+def run_shared_context(llm, spec, res):
+    """Compress once, serve many. One document D (its length C is the context boundary, not block-aligned)
+    and questions, in phases: A = D+q0 alone, then B = D+q1 alone (default decode interval: B's rounds copy
+    on write); with T = 0, P = D+q2 alone, then four at once (D+q3..q6); D+q1 with another budget and with
+    another policy; ``reset_prefix_cache``, then D+q0 again. Recorded from vLLM: each request's hit (as the
+    scheduler uses it), the tokens each request's first step schedules, vLLM's own free-queue count and each
+    request's token count at every step of the four, the tokens, the plugin's counters."""
+    from vllm import SamplingParams
+
+    tok = llm.get_tokenizer()
+    doc = _text_prompts(tok, [spec.get("sc_doc", 900)], 71)[0]
+    qs = _text_prompts(tok, [60] * 8, 72)
+    c = len(doc)
+    engine = llm.llm_engine
+    sched = _core(llm).scheduler
+    pool = sched.kv_cache_manager.block_pool
+    mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
+    conn = sched.connector
+    base = {"kv_context_len": c}
+    hits0 = conn.totals.shared_hits if conn else 0
+    hits: dict[str, int] = {}
+    first_sched: dict[str, int] = {}
+    lookup, schedule = sched._get_local_prefix_cache_hit, sched.schedule
+
+    def hit(request):
+        out = lookup(request)
+        hits[request.request_id] = out[1]
+        return out
+
+    def sched_wrap(*a, **kw):
+        out = schedule(*a, **kw)
+        for r in out.scheduled_new_reqs:
+            first_sched.setdefault(r.req_id, out.num_scheduled_tokens[r.req_id])
+        return out
+
+    sched._get_local_prefix_cache_hit, sched.schedule = hit, sched_wrap
+    tokens: dict[str, list[int]] = {}
+    trace: list = []
+
+    def run(batch, extra, on_step=None):
+        for rid, q in batch:
+            engine.add_request(rid, {"prompt_token_ids": doc + q},
+                               SamplingParams(max_tokens=spec.get("sc_max_tokens", 40), temperature=0,
+                                              ignore_eos=True, extra_args={**base, **extra}))
+        tokens.update(_drain(llm, on_step))
+
+    def used_blocks():  # vLLM's own count: blocks not in its free queue (the null block excluded)
+        return pool.num_gpu_blocks - 1 - pool.free_block_queue.num_free_blocks
+
+    run([("A", qs[0])], {})
+    run([("B", qs[1])], {})
+    private_after_b = conn.totals.private_blocks if conn else 0
+    run([("P", qs[2])], {"kv_decode_interval": 0})
+    group = [(f"N{i}", qs[3 + i]) for i in range(4)]
+
+    def on_step():
+        live = {r.request_id.split("-")[0]: r.num_tokens for r in sched.requests.values()}
+        private = {rid.split("-")[0]: sum(1 for b in blocks if not b.is_null and b.ref_cnt == 1)
+                   for rid, blocks in mgr.req_to_blocks.items()}
+        trace.append([used_blocks(), live, private])
+
+    run(group, {"kv_decode_interval": 0}, on_step)
+    shared = conn.scheduler_side.shared if conn else None
+    entry_blocks = [len(e.blocks) for e in shared.entries.values()] if shared else []
+    run([("Bbudget", qs[1])], {"kv_budget": 256})
+    run([("Bknorm", qs[1])], {"kv_policy": "knorm"})
+    entries_before_reset = len(shared.entries) if shared else 0
+    reset_ok = llm.reset_prefix_cache()
+    run([("Areset", qs[0])], {})
+    entries_after = len(shared.entries) if shared else 0
+    reset_end = llm.reset_prefix_cache()  # the last entry goes: every block back in vLLM's free queue
+    engine.step()
+    res["shared_context"] = {
+        "context": c, "tokens": tokens, "hits": {k.split("-")[0]: v for k, v in hits.items()},
+        "first_sched": {k.split("-")[0]: v for k, v in first_sched.items()},
+        "prompt_lens": {"A": c + len(qs[0])}, "trace": trace, "entry_blocks": entry_blocks,
+        "entries_before_reset": entries_before_reset, "reset_ok": reset_ok,
+        "entries_after_reset": entries_after, "reset_end": reset_end,
+        "entries_end": len(shared.entries) if shared else 0,
+        "shared_hits": conn.totals.shared_hits - hits0 if conn else 0,
+        "private_after_b": private_after_b,
+        "failures": dict(conn.totals.failures) if conn else {},
+        "free_end": pool.free_block_queue.num_free_blocks, "num_blocks": pool.num_gpu_blocks,
+        "prefix_caching": bool(pool.enable_caching),
+        "kv_held": {k.split("-")[0]: v for k, v in conn.totals.kv_held.items()} if conn else {},
+    }
+    sched._get_local_prefix_cache_hit, sched.schedule = lookup, schedule
+
+
+SCENARIOS = {"shared_context": run_shared_context, "greedy_none": run_greedy_none, "prefix_stream": run_prefix_stream, "streaming_input": run_streaming_input, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
              "short_moments": run_short_moments, "faults": run_faults,
              "parallel": run_parallel, "greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
              "preempt_abort": run_preempt_abort}

@@ -325,9 +325,9 @@ def test_prefix_caching_on_gives_the_tokens_of_prefix_caching_off(evicting, pref
     # a0r repeats a0 right after it: the whole prompt is cached, but the hit stops short of the observation
     # window (32 tokens) of its first round, whose queries SnapKV scores with: (770 - 32) // 32 blocks
     assert hits["a0r"] == (770 - 32) // 32 * 32, hits
-    # k0r repeats k0 (key norm, context boundary 700): the hit stops at the boundary's block, so the question
-    # is computed over the compressed context as without prefix caching
-    assert hits["k0r"] == 700 // 32 * 32, hits
+    # k0r repeats k0 (key norm, context boundary 700) once k0's context is compressed: it adopts k0's shared
+    # compressed context (hit = the boundary itself) and computes its question over it, as k0 did
+    assert hits["k0r"] == 700, hits
     assert on["tokens"]["k0r"] == on["tokens"]["k0"]
     assert all(v == 0 for v in off["hits"].values())
     # every request compacted; rounds packed into private blocks where their blocks were hashed
@@ -336,6 +336,53 @@ def test_prefix_caching_on_gives_the_tokens_of_prefix_caching_off(evicting, pref
     for res in (on, off):  # nothing left: vLLM counts cached-but-unreferenced blocks as free
         assert res["free_end"] == res["num_blocks"] - 1
         assert res["manager_reqs_left"] == 0 and res["worker_requests_left"] == []
+
+
+def test_shared_compressed_context(evicting, prefix_cached):
+    """Compress once, serve many (prefix caching on): a request whose first C tokens and eviction settings
+    match a compressed context adopts it as its prefix-cache hit, prefills only its own tokens (the
+    scheduler's counts) and gives the tokens of the same request on an engine that shares nothing; four at
+    once hold one compressed document + their tails (vLLM's free queue); other settings never share; the
+    shared pages count once in the requests' mean KV; ``reset_prefix_cache`` drops the contexts."""
+    on, off = prefix_cached["shared_context"], evicting["shared_context"]
+    assert on["prefix_caching"] and not off["prefix_caching"]
+    assert on["failures"] == {} and off["failures"] == {}
+    c = on["context"]
+    assert c % 32, "the boundary is not block-aligned (the partial block is shared as a private copy)"
+    for rid, toks in on["tokens"].items():
+        assert toks is not None and toks == off["tokens"][rid], rid
+    hits, first = on["hits"], on["first_sched"]
+    for rid in ("B", "N0", "N1", "N2", "N3"):
+        assert hits[rid] == c and first[rid] == 60, (rid, hits, first)  # only its 60 question tokens
+    assert first["A"] == c  # the first request prefills up to the boundary, then compresses
+    # other settings: the budget (and, for SnapKV, its window), the policy, the decode interval (P)
+    for rid in ("P", "Bbudget", "Bknorm"):
+        assert hits[rid] < c and hits[rid] % 32 == 0, (rid, hits)
+    assert on["shared_hits"] == 5
+    assert all(v == 0 for v in off["hits"].values()) and off["shared_hits"] == 0
+    # B's decode round copied on write (private blocks), the shared context stayed as it was for the N
+    assert on["private_after_b"] > 0
+    # four at once: vLLM's used blocks <= the compressed contexts in the cache + each request's own tail past
+    # the compressed region (the partial block's copy, question, generated) + one block of slack
+    e_tokens = c // 32 * 32
+    k = on["entry_blocks"]
+    assert len(k) == 2 and all(x <= 128 // 32 + 1 + 1 for x in k), k  # kept pages (+moments) + partial copy
+    peak_on = peak_off = 0
+    for used, live, _ in on["trace"]:
+        if len(live) == 4:
+            tails = sum(-(-(n - e_tokens) // 32) for n in live.values())
+            assert used <= sum(k) + tails + 1, (used, live, k)
+            peak_on = max(peak_on, used)
+    for used, live, _ in off["trace"]:
+        if len(live) == 4:
+            peak_off = max(peak_off, used)
+    assert peak_on < peak_off, (peak_on, peak_off)
+    # mean KV per request: a shared block counts 1/n to each of the n requests on it
+    assert on["kv_held"]["N0"][0] < off["kv_held"]["N0"][0]
+    # reset_prefix_cache drops compressed contexts: the repeat of A computes everything again
+    assert on["reset_ok"] and on["entries_before_reset"] >= 4 and hits["Areset"] == 0
+    assert on["entries_after_reset"] == 1 and on["reset_end"] and on["entries_end"] == 0
+    assert on["free_end"] == off["free_end"] == on["num_blocks"] - 1
 
 
 def test_bf16_budget_above_prompt_gives_the_tokens_without_eviction(evicting_bf16):

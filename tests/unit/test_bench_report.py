@@ -132,4 +132,4 @@ def test_shared_doc_block_states_the_ratios_against_stock_with_prefix_caching():
     assert "python -m benchmarks.shared_doc --pool 160" in md and "host load 1.5–2.5" in md
     row = next(line for line in md.splitlines() if line.startswith("| evict_pc"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1] == "160" and cells[4] == "0.10" and cells[5] == "0/16" and cells[7] == "1.50"
+    assert cells[1] == "160" and cells[4] == "0.10" and cells[5] == "-" and cells[6] == "0/16" and cells[8] == "1.50"

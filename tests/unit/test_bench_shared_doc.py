@@ -24,6 +24,8 @@ def test_configs_differ_only_in_eviction_and_prefix_caching():
     a = server_flags({"evict": False, "prefix": True}, O, 2400)
     b = server_flags({"evict": True, "prefix": True}, O, 2400)
     c = server_flags({"evict": True, "prefix": False}, O, 2400)
+    d = server_flags({"evict": True, "prefix": True, "share": False}, O, 2400)
     assert "--enable-prefix-caching" in a and "--kv-eviction-policy" not in a
     assert b[: len(a)] == a and b[len(a):] == ["--kv-eviction-policy", "snapkv", "--kv-budget", "128"]
     assert "--no-enable-prefix-caching" in c
+    assert d == b + ["--no-kv-share-contexts"]

@@ -60,7 +60,9 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(self.config, vllm_config.cache_config.block_size, shape)
+            mc = vllm_config.model_config
+            self.scheduler_side = SchedulerSide(self.config, vllm_config.cache_config.block_size, shape,
+                                                model_id=f"{mc.model}@{mc.revision}")
         else:
             self.worker_side = WorkerSide(vllm_config, self.config)
         logger.info("kv_eviction: %s-side connector ready (pid %d): %s", role.name.lower(), os.getpid(),

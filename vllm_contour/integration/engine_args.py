@@ -33,6 +33,7 @@ _FLAGS = {
     "kv_moment_correction": "moment_correction",
     "kv_decode_interval": "decode_interval",
     "kv_policy_args": "policy_args",
+    "kv_share_contexts": "share_contexts",
 }
 
 # Server config seen in this process (API server / offline LLM); used to validate per-request keys.
@@ -72,6 +73,11 @@ def add_eviction_args(parser):
                        help="MomentKV: keep per-head moments of the evicted tokens (their pages count against "
                             "the budget) and add the evicted part's closed-form estimate at decode; works with "
                             "every policy (default: on for the moment presets, off otherwise).")
+    group.add_argument("--kv-share-contexts", dest="kv_share_contexts", action=argparse.BooleanOptionalAction,
+                       default=None,
+                       help="With prefix caching on: a request's compressed context (kv_context_len) is shared "
+                            "read-only by later requests with the same context and settings, which prefill "
+                            "only their own tokens (default on).")
     group.add_argument("--kv-policy-args", dest="kv_policy_args", type=str, default=None, metavar="JSON",
                        help="Knobs of the policy's components as a JSON object, e.g. '{\"lam\": 0.3}' "
                             "(selector.lam, allocator.mix, allocator.power, scorer.kernel_size, ...; a bare name "

@@ -21,6 +21,11 @@ COUNTERS = {
     "freed_blocks": "KV blocks returned to vLLM's pool by eviction (their reference count reached 0)",
     "private_blocks": "Private KV blocks rounds packed kept pages into, instead of blocks hashed for prefix "
                       "caching or shared with other requests",
+    "shared_contexts": "Compressed contexts published for sharing (a context round's kept pages, layout and "
+                       "moments)",
+    "shared_context_hits": "Requests that started with a shared compressed context as their prefix-cache hit",
+    "shared_context_hit_tokens": "Context tokens those requests did not prefill (counted in vLLM's cached "
+                                 "tokens too)",
     "deferred_rounds": "Rounds put off a step because the pool had no room for their private blocks",
     "stale_reports": "Eviction reports ignored (request finished or preempted meanwhile)",
     "policy_seconds": "Worker time spent planning rounds (scoring, allocation, layout)",
@@ -44,6 +49,9 @@ HISTOGRAMS = {
 }
 GAUGES = {
     "query_buffer_bytes": "Bytes of captured window queries held by the worker (outside vLLM's pool)",
+    "shared_context_entries": "Shared compressed contexts in the cache",
+    "shared_context_blocks": "KV blocks of vLLM's pool the shared compressed contexts hold (paid once)",
+    "shared_context_requests": "Running requests that hold a shared compressed context's pages",
 }
 
 

@@ -8,8 +8,9 @@ Every step the scheduler also sends each scheduled request's row key (the block 
 and epoch (``keys``, see ``state.py``).
 
 An outcome is a dict: ``{"kind": "round", "seq", "region_blocks", "kept_blocks", "freed": [(slot,
-block_id), ...], "replaced": [(slot, old_id, new_id), ...]}`` (``replaced``: the round packed into private
-blocks, which take those slots), ``{"kind": "noop", "seq"}`` (nothing to evict), ``{"kind": "plan_failed", "seq",
+block_id), ...], "replaced": [(slot, old_id, new_id), ...], "published": entry id or None}``
+(``replaced``: the round packed into private blocks, which take those slots; ``published``: the worker
+kept the round's layout (and the partial block's snapshot) as a shared compressed context), ``{"kind": "noop", "seq"}`` (nothing to evict), ``{"kind": "plan_failed", "seq",
 "reason"}`` (nothing moved) or ``{"kind": "recompute", "seq", "reason"}`` (bytes moved, then it failed).
 Ranks merge (``aggregate``): a block is freed only when every rank freed it, a slot is replaced when any
 rank wrote into its private block; ranks that disagree on the
@@ -31,6 +32,8 @@ class ContourMetadata(KVConnectorMetadata):
     capture: list[CaptureItem] = field(default_factory=list)
     dropped: set[str] = field(default_factory=set)
     keys: dict[str, tuple[int, int]] = field(default_factory=dict)  # req -> (row key block, epoch)
+    adopt: dict[str, int] = field(default_factory=dict)  # req -> shared compressed context it starts with
+    shared_dropped: list[int] = field(default_factory=list)  # shared contexts the workers forget
 
 
 def merge_outcomes(a: dict, b: dict) -> dict:
@@ -47,7 +50,8 @@ def merge_outcomes(a: dict, b: dict) -> dict:
         return {"kind": "recompute", "seq": a["seq"], "reason": "ranks disagree on the compacted region"}
     mine = {tuple(x) for x in b["freed"]}
     replaced = {x[0]: tuple(x) for x in list(a.get("replaced", ())) + list(b.get("replaced", ()))}
-    return {"kind": "round", "seq": a["seq"], "region_blocks": a["region_blocks"],
+    published = a.get("published") if a.get("published") == b.get("published") else None
+    return {"kind": "round", "seq": a["seq"], "region_blocks": a["region_blocks"], "published": published,
             "kept_blocks": max(a["kept_blocks"], b["kept_blocks"]),
             "freed": [tuple(x) for x in a["freed"] if tuple(x) in mine and x[0] not in replaced],
             "replaced": sorted(replaced.values())}

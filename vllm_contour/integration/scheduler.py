@@ -11,6 +11,9 @@ connector cannot do alone.
   ``SchedulerSide.limit_hit``): a query-aware request computes the observation window of its first round
   (the queries its policy scores with), a request with a context boundary still to compress prefills from
   that boundary (its question is computed over the compressed context).
+- A new request whose first ``C`` tokens and settings match a shared compressed context takes it as its
+  local prefix-cache hit (``SchedulerSide.shared_hit``; ``shared_contexts.py``); ``reset_prefix_cache``
+  drops those contexts too.
 - A prefill chunk of a request with a context boundary (``kv_context_len``, query-agnostic) stops at the
   boundary, so the context is compressed before the question is computed (``_reserve_prefill_lookahead``
   is the per-request chunk-size hook vLLM's scheduler calls for running and waiting requests alike).
@@ -40,10 +43,30 @@ class ContourScheduler(Scheduler):
         side = self._contour_side()
         return n if side is None else side.cap_chunk(request, num_computed_tokens, n)
 
+    def schedule(self, *args, **kwargs):
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            side = self._contour_side()
+            if side is not None:
+                side.end_schedule()
+
+    def reset_prefix_cache(self, *args, **kwargs) -> bool:
+        side = self._contour_side()
+        if side is not None:
+            side.reset_shared()
+        return super().reset_prefix_cache(*args, **kwargs)
+
     def _get_local_prefix_cache_hit(self, request):
         blocks, n, boundary, diverged = super()._get_local_prefix_cache_hit(request)
         side = self._contour_side()
-        if side is None or n == 0:
+        if side is None:
+            return blocks, n, boundary, diverged
+        shared = side.shared_hit(request)
+        if shared is not None:  # a shared compressed context: its blocks and C tokens are the hit
+            table, c = shared  # vLLM counts it in its prefix-cache hits and the request's cached tokens
+            return self.kv_cache_manager.create_kv_cache_blocks((table,)), c, 0, False
+        if n == 0:
             return blocks, n, boundary, diverged
         m = side.limit_hit(request, n)
         if m < n:  # limit_hit returns whole blocks

@@ -18,7 +18,9 @@ request can still hit the dense prompt while it stays in the pool) and "freed" c
 reference count reaches 0. After its first round a request's blocks are no longer hashed (their KV was
 computed over a compressed cache, so a hit on them would not reproduce a dense prefill). A prefix hit is
 limited (``limit_hit``) so that a context boundary still to compress is reached by the prefill, and so
-that query-aware policies compute the window ``[R - W, R)`` whose queries they score with.
+that query-aware policies compute the window ``[R - W, R)`` whose queries they score with, unless the
+request adopts a shared compressed context (``shared_hit``, ``shared_contexts.py``): the context round
+of the first request publishes it, later ones start compacted from their first step.
 
 Reports (``apply``) come back in the same step: the listed logical blocks are replaced by vLLM's null block
 and freed, exactly as vLLM's sliding-window managers free blocks mid-request; a report for a request that
@@ -39,6 +41,7 @@ from vllm_contour.budget import CacheShape, PageBudget, decode_interval_for, req
 from vllm_contour.config import EvictionConfig, RequestEviction, resolve_request
 from vllm_contour.integration.metrics import ContourStats
 from vllm_contour.integration.reports import ContourMetadata, ContourReport
+from vllm_contour.integration.shared_contexts import SharedContexts
 from vllm_contour.integration.state import CaptureItem, RoundItem
 from vllm_contour.policies import build_policy
 
@@ -69,6 +72,9 @@ class Tracked:
     prefill_tried: bool = False
     epoch: int = 0  # bumped whenever the request starts over; the worker drops its old state then
     fresh: tuple[int, list] | None = None  # (seq, private blocks) of the round in flight
+    # (seq, entry id, key, snapshot block or None) of a context round whose result becomes a shared entry
+    publishing: tuple | None = None
+    adopted: int | None = None  # the shared entry this request adopted (until it leaves or starts over)
 
 
 # a request whose blocks vLLM must not hash any more (see the module docstring)
@@ -84,6 +90,7 @@ class SchedulerTotals:
     rounds: int = 0
     freed_blocks: int = 0
     private_blocks: int = 0  # blocks a round packed into instead of the request's own (prefix caching)
+    shared_hits: int = 0  # requests that adopted a shared compressed context
     stale_reports: int = 0
     failures: dict[str, int] = field(default_factory=dict)
     last: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # req -> (K, E, freed) of its last round
@@ -91,7 +98,7 @@ class SchedulerTotals:
 
 
 class SchedulerSide:
-    def __init__(self, config: EvictionConfig, block_size: int, shape: CacheShape | None):
+    def __init__(self, config: EvictionConfig, block_size: int, shape: CacheShape | None, model_id: str = ""):
         self.config = config
         self.block_size = block_size
         self.shape = shape
@@ -102,9 +109,13 @@ class SchedulerSide:
         self._needs_queries: dict[str, bool] = {}
         self._recompute: dict[str, str] = {}
         self._logged: set[tuple[str, str]] = set()
+        self.shared = SharedContexts(block_size, model_id)
+        self._adopt: dict[str, int] = {}  # request -> entry id, for the workers at the next step
 
     def bind(self, kv_cache_manager: "KVCacheManager") -> None:
         self.manager = kv_cache_manager
+        if self._caching and self.config.share_contexts:
+            self.shared.bind(kv_cache_manager)
 
     @property
     def _caching(self) -> bool:
@@ -131,6 +142,26 @@ class SchedulerSide:
         except Exception:
             return num_hit_tokens
 
+    def shared_hit(self, request: "Request"):
+        """``(block table, C)`` when a new request can adopt a shared compressed context as its prefix-cache
+        hit (same first C tokens and settings as an entry, context still to compress), else None."""
+        try:
+            t = self._track(request)
+            if t.params is None or request.num_computed_tokens or self._boundary(t) is None:
+                return None
+            e = self.shared.hit(request, self.shared.key(request, t.params))
+            return None if e is None else (list(e.table), e.context_len)
+        except Exception as e:
+            self._fail(request.request_id, "metadata", e)
+            return None
+
+    def end_schedule(self) -> None:
+        self.shared.end_schedule()
+
+    def reset_shared(self) -> None:
+        """vLLM's ``reset_prefix_cache``: compressed contexts go too."""
+        self.shared.drop_all()
+
     # ------------------------------------------------------------------ request life
     def on_alloc(self, request: "Request") -> None:
         """(Re)admitted from the waiting queue: a resumed request re-prefills and starts over. A streaming-input
@@ -142,10 +173,29 @@ class SchedulerSide:
                 t.request = request
                 t.prefill_end = request.num_tokens
                 return
-            self._reset(self._track(request), request)
+            t = self._track(request)
+            self._reset(t, request)
+            e = self.shared.adopted(request)
+            if e is not None:
+                self._adopt_entry(t, e)
         except Exception as e:  # never into vLLM: this request is served without eviction
             self._fail(request.request_id, "metadata", e)
             self.tracked[request.request_id] = Tracked(request, None)
+
+    def _adopt_entry(self, t: Tracked, e) -> None:
+        """The request starts with a shared compressed context: compacted up to E from its first step."""
+        req_id = t.request.request_id
+        t.compacted, t.prefill_tried, t.region_blocks = True, True, e.region_blocks
+        t.nulled = sum(1 for b in self._blocks(req_id) if b.is_null)
+        t.adopted = e.entry_id
+        self._adopt[req_id] = e.entry_id
+        mgr = self.manager.coordinator.single_type_managers[0]
+        mgr.num_cached_block[req_id] = _NO_MORE_HASHING
+        self.totals.evicted_requests += 1
+        self.totals.shared_hits += 1
+        self._stats.add("evicted_requests", 1)
+        self._stats.add("shared_context_hits", 1)
+        self._stats.add("shared_context_hit_tokens", e.context_len)
 
     def _track(self, request: "Request") -> Tracked:
         t = self.tracked.get(request.request_id)
@@ -159,6 +209,8 @@ class SchedulerSide:
     def _reset(self, t: Tracked, request: "Request") -> None:
         """A (re)admitted request prefills from scratch: nothing compacted, nothing in flight."""
         self._release_fresh(t)
+        self._release_publishing(t)
+        self._leave_entry(t)
         t.epoch += 1
         t.request = request
         t.prefill_end = request.num_tokens
@@ -183,8 +235,11 @@ class SchedulerSide:
 
     def finished(self, request: "Request") -> None:
         t = self.tracked.pop(request.request_id, None)
+        self._adopt.pop(request.request_id, None)
         if t is not None:
             self._release_fresh(t)
+            self._release_publishing(t)
+            self._leave_entry(t)
         if t is not None and t.params is not None and t.held_n:
             self._stats.observe("request_mean_kv_tokens", t.held_sum / t.held_n)
             self._stats.observe("request_peak_kv_tokens", t.held_peak)
@@ -262,13 +317,19 @@ class SchedulerSide:
             except Exception as e:
                 self._fail(req_id, "metadata", e)
                 t.params = None
-        return ContourMetadata(rounds=rounds, capture=captures, dropped=dropped, keys=keys)
+        adopt = {r: eid for r, eid in self._adopt.items() if r in keys}
+        self._adopt = {r: eid for r, eid in self._adopt.items() if r not in adopt and r in self.tracked}
+        if self._caching:
+            for name, value in self.shared.gauges().items():
+                self._stats.gauge(name, value)
+        return ContourMetadata(rounds=rounds, capture=captures, dropped=dropped, keys=keys, adopt=adopt,
+                               shared_dropped=self.shared.take_dropped())
 
     def _step_request(self, t: Tracked, n_sched: int, rounds: list, captures: list) -> None:
         req = t.request
         self._prepare(t)
         blocks = self._blocks(req.request_id)
-        held = len(blocks) - t.nulled
+        held = self._held(blocks)
         t.held_sum += held * self.block_size
         t.held_n += 1
         t.held_peak = max(t.held_peak, held * self.block_size)
@@ -297,11 +358,80 @@ class SchedulerSide:
             t.pending = t.seq
             if fresh is not None:
                 t.fresh = (t.seq, fresh)
+            publish = None
+            if fresh is not None and boundary is not None and done == boundary and not t.compacted:
+                publish = self._plan_publish(t, blocks, boundary)
             if not t.compacted:
                 t.prefill_tried = True
             rounds.append(RoundItem(req_id=req.request_id, block_ids=[b.block_id for b in blocks],
                                     num_tokens=done, params=t.params, seq=t.seq,
-                                    fresh_ids=None if fresh is None else [b.block_id for b in fresh]))
+                                    fresh_ids=None if fresh is None else [b.block_id for b in fresh],
+                                    publish=publish))
+
+    def _plan_publish(self, t: Tracked, blocks, c: int):
+        """The context round of a request whose compressed context can be shared: ``(entry id, partial
+        block id, snapshot block id)`` for the worker (block ids None when C is block-aligned)."""
+        try:
+            key = self.shared.key(t.request, t.params)
+            if key is None or key in self.shared.entries:
+                return None
+            src = snap = None
+            if c % self.block_size:
+                pool = self.manager.block_pool
+                if self.shared.pool_free_blocks() < 1:
+                    return None
+                snap = pool.get_new_blocks(1)[0]
+                src = blocks[c // self.block_size].block_id
+            eid = self.shared.new_id()
+            t.publishing = (t.seq, eid, key, snap)
+            return (eid, src, None if snap is None else snap.block_id)
+        except Exception as e:
+            self._fail(t.request.request_id, "share", e)
+            return None
+
+    def _release_publishing(self, t: Tracked) -> None:
+        if t.publishing is None:
+            return
+        _, eid, _, snap = t.publishing
+        t.publishing = None
+        if snap is not None:
+            self.manager.block_pool.free_blocks([snap])
+        self.shared.dropped.append(eid)
+
+    def _leave_entry(self, t: Tracked) -> None:
+        if t.adopted is not None:
+            self.shared.release_user(t.request.request_id)
+            t.adopted = None
+
+    def _publish(self, t: Tracked, out: dict, blocks) -> None:
+        """The context round succeeded: its compacted region (+ the partial block's snapshot) is an entry."""
+        seq, eid, key, snap = t.publishing
+        if seq != out.get("seq") or out.get("published") != eid or \
+                out["region_blocks"] != t.params.context_len // self.block_size:
+            self._release_publishing(t)
+            return
+        t.publishing = None
+        table = list(blocks[: out["region_blocks"]])
+        self.manager.block_pool.touch([b for b in table if not b.is_null])
+        if snap is not None:
+            table.append(snap)
+        self.shared.add(eid, key, t.params.context_len, table)
+        self._stats.add("shared_contexts", 1)
+
+    def _held(self, blocks) -> float:
+        """Blocks the request holds in vLLM's pool, a block that n requests hold counting 1/n (a shared
+        compressed context's blocks are paid once over the requests on it; its entry's own reference is not
+        a request's)."""
+        if not self._caching:
+            return float(sum(1 for b in blocks if not b.is_null))
+        in_entry = self.shared.entry_block_ids() if self.shared.entries else ()
+        held = 0.0
+        for b in blocks:
+            if b.is_null:
+                continue
+            users = b.ref_cnt - (1 if b.block_id in in_entry else 0)
+            held += 1.0 / max(1, users)
+        return held
 
     def _shared(self, blocks, num_tokens: int) -> bool:
         """Does any full block a round may rewrite carry a prefix-cache hash or another reference?"""
@@ -344,6 +474,7 @@ class SchedulerSide:
         kind = out["kind"]
         if kind != "round":
             self._release_fresh(t)
+            self._release_publishing(t)
         if kind == "noop":
             if not t.compacted:
                 t.retry_at = (t.retry_at or req.num_computed_tokens) + max(t.interval, self.block_size)
@@ -365,6 +496,7 @@ class SchedulerSide:
         if any(s >= len(blocks) or blocks[s].is_null or blocks[s].block_id != b for s, b in frees) or \
                 any(s >= len(blocks) or blocks[s].block_id != old or new not in by_id for s, old, new in replaced):
             self._release_fresh(t)
+            self._release_publishing(t)
             self.totals.stale_reports += 1
             self._stats.add("stale_reports", 1)
             return
@@ -381,6 +513,9 @@ class SchedulerSide:
         if replaced:
             self.totals.private_blocks += len(replaced)
             self._stats.add("private_blocks", len(replaced))
+            self._leave_entry(t)  # copy on write: it holds its own copy of the kept pages now
+        if t.publishing is not None:
+            self._publish(t, out, blocks)
         if self._caching:  # its blocks now hold KV computed over a compressed cache: never hash them
             mgr = self.manager.coordinator.single_type_managers[0]
             mgr.num_cached_block[req_id] = _NO_MORE_HASHING

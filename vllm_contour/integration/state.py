@@ -36,6 +36,9 @@ class RoundItem:
     # private blocks to pack the kept pages into (some of the request's blocks are hashed for prefix caching
     # or shared with another request): the round reads the originals and writes only these; None: in place
     fresh_ids: list[int] | None = None
+    # a context round whose result is shared: (entry id, partial block, its snapshot block); the worker
+    # copies the partial block into the snapshot after the round and keeps the layout under the entry id
+    publish: tuple[int, int | None, int | None] | None = None
 
 
 @dataclass
@@ -118,6 +121,7 @@ class CaptureRows:
 class WorkerState:
     def __init__(self) -> None:
         self.requests: dict[str, RequestState] = {}
+        self.shared: dict[int, RequestLayout] = {}  # shared compressed contexts: entry id -> layout
         self.step_keys: dict[int, str] = {}  # this step: block of a row's first new token -> request
         self.rounds_now: dict[str, RoundItem] = {}
         self.captures: dict[str, CaptureItem] = {}  # this step's capture items, by request

@@ -153,17 +153,26 @@ class WorkerSide:
         try:
             for req_id in md.dropped:
                 st.drop(req_id)
+            for eid in md.shared_dropped:
+                st.shared.pop(eid, None)
             st.step_keys = {}
             for req_id, (key, epoch) in md.keys.items():
                 st.state_for(req_id, epoch)  # a request that started over loses its old state here
                 st.step_keys[key] = req_id
+            missing = {}
+            for req_id, eid in md.adopt.items():  # it starts with a shared compressed context
+                layout = st.shared.get(eid)
+                if layout is None:
+                    missing[req_id] = f"shared compressed context {eid} is not on this worker"
+                else:
+                    st.state_for(req_id).layout = layout
             st.rounds_now = {it.req_id: it for it in md.rounds}
             st.captures = {c.req_id: c for c in md.capture}
             for c in md.capture:
                 rs = st.state_for(c.req_id)
                 if rs.ring is None or rs.ring.window != c.window:
                     rs.ring = QueryRing(c.window)
-            st.staged, st.staged_rows, st.forward_errors = {}, None, {}
+            st.staged, st.staged_rows, st.forward_errors = {}, None, missing
         except Exception as e:  # never into vLLM: forget this step's work, keep serving
             logger.warning("kv_eviction: could not start the step (%s); no round this step", e)
             st.rounds_now, st.captures = {}, {}
@@ -237,11 +246,26 @@ class WorkerSide:
         self._report[req_id] = {"kind": "round", "seq": item.seq, "region_blocks": layout.region_blocks,
                                 "kept_blocks": layout.kept_blocks,
                                 "freed": list(zip(plan.freed_slots, plan.freed_blocks)),
-                                "replaced": plan.replaced}
+                                "replaced": plan.replaced, "published": self._publish(item, layout)}
         self._stats.add("policy_seconds", t1 - t0)
         self._stats.add("compact_seconds", t2 - t1)
         self._stats.add("tokens_evicted", plan.evicted_tokens / max(1, layout.num_layers * layout.num_kv_heads))
         self._stats.observe("round_seconds", t2 - t0)
+
+    def _publish(self, item: RoundItem, layout) -> int | None:
+        """Keep a context round's layout (and a snapshot of its partial block, copied before any question
+        token is written into it) as a shared compressed context; None when there is none or it failed."""
+        if item.publish is None:
+            return None
+        eid, src, dst = item.publish
+        try:
+            if src is not None:
+                ops.copy_blocks(self._views, [(src, dst)])
+            worker_state().shared[eid] = layout
+            return eid
+        except Exception as e:
+            logger.warning("kv_eviction: %s: the compressed context is not shared (%s)", item.req_id, e)
+            return None
 
     def take_report(self) -> ContourReport | None:
         st = worker_state()

@@ -145,6 +145,7 @@ except ImportError:
     pass
 
 from . import cpu_ext as _cpu_ext  # noqa: E402,F401  (registers "cpp" when vllm_contour._C imports)
+from .paged import copy_blocks  # noqa: E402
 
 
 # Ranking on CPU: "cpp" (registered last) before "vllm_cpu" before "torch". The C++ kernel measured
@@ -153,5 +154,5 @@ from . import cpu_ext as _cpu_ext  # noqa: E402,F401  (registers "cpp" when vllm
 # the engine do not meet "vllm_cpu"'s stride condition. VLLM_CONTOUR_OPS_IMPL forces one implementation.
 
 __all__ = ["compact", "accumulate_moments", "ragged_decode_attention", "store_moments", "load_moments",
-           "implementations", "register_impl", "available",
+           "implementations", "register_impl", "available", "copy_blocks",
            "compact_ref", "accumulate_moments_ref", "ragged_decode_attention_ref", "dense_attention_ref"]

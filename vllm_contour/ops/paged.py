@@ -48,3 +48,15 @@ def set_pages(c: torch.Tensor, blk, lane, x: torch.Tensor) -> None:
         c[blk, lane] = x
         return
     c[blk, lane] = x.reshape(*x.shape[:-2], *c.shape[2:])
+
+
+def copy_blocks(caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+    """Copy whole blocks ``src -> dst`` in every layer's key and value cache (any page layout: dim 0 is the
+    block, which holds every head's page)."""
+    if not pairs:
+        return
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.int64)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.int64)
+    for k, v in caches:
+        k[dst] = k[src]
+        v[dst] = v[src]
