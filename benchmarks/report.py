@@ -311,7 +311,7 @@ def render_shared_doc(runs: list[tuple[str, dict]]) -> str:
         load = [x for r in res["runs"] for x in r.get("loadavg", [])]
         out += [provenance(res, "shared_doc", src) + f" — a {res['doc_tokens']}-token document, {len(res['codes'])} "
                 f"questions; concurrent phase: all at once, {a['output_len']} tokens each; {a['policy']} at "
-                f"{a['budget']} tokens per head, T 64"
+                f"{a['budget']} tokens per head, T {64 if a.get('decode_interval') is None else a['decode_interval']}"
                 + (f" (host load {min(load):.1f}–{max(load):.1f})" if load else ""), "", table(res), ""]
     return "\n".join(out).rstrip("\n")
 

@@ -111,6 +111,7 @@ class SchedulerSide:
         self._logged: set[tuple[str, str]] = set()
         self.shared = SharedContexts(block_size, model_id)
         self._adopt: dict[str, int] = {}  # request -> entry id, for the workers at the next step
+        self._entry_ids: set[int] = set()  # blocks the shared contexts hold (this step)
 
     def bind(self, kv_cache_manager: "KVCacheManager") -> None:
         self.manager = kv_cache_manager
@@ -147,7 +148,8 @@ class SchedulerSide:
         hit (same first C tokens and settings as an entry, context still to compress), else None."""
         try:
             t = self._track(request)
-            if t.params is None or request.num_computed_tokens or self._boundary(t) is None:
+            if t.params is None or request.num_computed_tokens or self._boundary(t) is None or \
+                    not self.manager.prefix_cache_lookup_enabled(request):  # e.g. prompt logprobs
                 return None
             e = self.shared.hit(request, self.shared.key(request, t.params))
             return None if e is None else (list(e.table), e.context_len)
@@ -299,6 +301,7 @@ class SchedulerSide:
                 self._reset(t, t.request)
         rounds: list[RoundItem] = []
         captures: list[CaptureItem] = []
+        self._entry_ids = self.shared.entry_block_ids() if self.shared.entries else set()
         scheduled = [r.req_id for r in scheduler_output.scheduled_new_reqs]
         scheduled += list(scheduler_output.scheduled_cached_reqs.req_ids)
         keys: dict[str, tuple[int, int]] = {}
@@ -424,7 +427,7 @@ class SchedulerSide:
         a request's)."""
         if not self._caching:
             return float(sum(1 for b in blocks if not b.is_null))
-        in_entry = self.shared.entry_block_ids() if self.shared.entries else ()
+        in_entry = self._entry_ids
         held = 0.0
         for b in blocks:
             if b.is_null:

@@ -153,8 +153,6 @@ class WorkerSide:
         try:
             for req_id in md.dropped:
                 st.drop(req_id)
-            for eid in md.shared_dropped:
-                st.shared.pop(eid, None)
             st.step_keys = {}
             for req_id, (key, epoch) in md.keys.items():
                 st.state_for(req_id, epoch)  # a request that started over loses its old state here
@@ -166,6 +164,8 @@ class WorkerSide:
                     missing[req_id] = f"shared compressed context {eid} is not on this worker"
                 else:
                     st.state_for(req_id).layout = layout
+            for eid in md.shared_dropped:  # after the adoptions: one may name an entry dropped in this step
+                st.shared.pop(eid, None)
             st.rounds_now = {it.req_id: it for it in md.rounds}
             st.captures = {c.req_id: c for c in md.capture}
             for c in md.capture:
