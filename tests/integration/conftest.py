@@ -115,6 +115,21 @@ def evicting_bf16(model_dir):
 
 
 @pytest.fixture(scope="session")
+def gemma(model_dir):
+    """The second bundled model, Gemma 3 270M (5 sliding-window layers per full-attention layer, one KV head of
+    256 dims): vLLM's hybrid KV cache manager keeps a group per kind; eviction runs in the full-attention
+    group. Greedy prompts with the budget above them and with eviction off, every preset, the hybrid scenario."""
+    from vllm_contour.models import fetch_model
+
+    gdir = str(fetch_model("gemma3-270m", quiet=True))
+    return run_engine("gemma_snapkv128", dict(BASE_LLM, model=gdir, num_gpu_blocks_override=None,
+                                              additional_config={"kv_eviction": {"policy": "snapkv",
+                                                                                 "budget": 128}}),
+                      ["greedy", "greedy_none", "presets", "hybrid"], greedy_extra_args={"kv_budget": 100000},
+                      greedy_lengths=[37, 150, 480, 700], moment_presets=["snapkv"], moment_budget=256)
+
+
+@pytest.fixture(scope="session")
 def plugin_off(model_dir):
     """Plugin loaded, eviction policy 'none'."""
     return run_engine("plugin_off", dict(BASE_LLM, model=model_dir,

@@ -229,7 +229,8 @@ def run_presets(llm, spec, res):
 
     variants = []
     for name in policy_names():
-        budget = 128 if preset_moments(name) else 96  # the moment presets' statistics raise the floor to 128
+        # the moment presets' statistics raise the floor (128 on SmolLM2, 224 with Gemma 3's 256-dim head)
+        budget = spec.get("moment_budget", 128) if preset_moments(name) else 96
         variants.append((name, {"kv_policy": name, "kv_budget": budget}))
         variants.append((name + "/agnostic", {"kv_policy": name, "kv_budget": budget, "kv_context_len": len(ctx)}))
     for name in spec.get("moment_presets", ["snapkv", "knorm"]):
@@ -819,7 +820,42 @@ def run_shared_context(llm, spec, res):
     sched._get_local_prefix_cache_hit, sched.schedule = lookup, schedule
 
 
-SCENARIOS = {"shared_context": run_shared_context, "greedy_none": run_greedy_none, "prefix_stream": run_prefix_stream, "streaming_input": run_streaming_input, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
+def run_hybrid(llm, spec, res):
+    """A hybrid model (sliding-window and full-attention KV cache groups): one long prompt evicting and the
+    same with ``kv_policy`` none; per KV cache group (its spec kind), the blocks the request holds after each
+    step (vLLM's managers), vLLM's free count and the tokens; then a decode-time-round request (128 prompt +
+    160 generated, T 64) with every held-block sample."""
+    from vllm import SamplingParams
+
+    tok = llm.get_tokenizer()
+    sched = _core(llm).scheduler
+    mgrs = sched.kv_cache_manager.coordinator.single_type_managers
+    kinds = [type(g.kv_cache_spec).__name__ for g in sched.kv_cache_config.kv_cache_groups]
+    engine = llm.llm_engine
+    prompt = _text_prompts(tok, [spec.get("hy_prompt", 2000)], 81)[0]
+    out = {}
+    for rid, extra, n_out in (("H", None, 8), ("Hnone", {"kv_policy": "none"}, 8),
+                              ("Hdecode", {"kv_decode_interval": 64}, 160)):
+        p = prompt if rid != "Hdecode" else prompt[:128]
+        engine.add_request(rid, {"prompt_token_ids": p},
+                           SamplingParams(max_tokens=n_out, temperature=0, ignore_eos=True, extra_args=extra))
+        f0, trace, toks = _free(llm), [], None
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    toks = list(o.outputs[0].token_ids)
+            held = [sum(1 for b in blocks if not b.is_null) for m in mgrs
+                    for r, blocks in m.req_to_blocks.items() if r.split("-")[0] == rid]
+            if held:
+                trace.append(held)
+        out[rid] = {"tokens": toks, "trace": trace, "free_before": f0, "free_end": _free(llm), "prompt": len(p)}
+    conn = sched.connector
+    res["hybrid"] = {"kinds": kinds, "runs": out, "block_size": mgrs[0].block_size,
+                     "failures": dict(conn.totals.failures) if conn else {},
+                     "kv_held": {k.split("-")[0]: v for k, v in conn.totals.kv_held.items()} if conn else {}}
+
+
+SCENARIOS = {"hybrid": run_hybrid, "shared_context": run_shared_context, "greedy_none": run_greedy_none, "prefix_stream": run_prefix_stream, "streaming_input": run_streaming_input, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
              "short_moments": run_short_moments, "faults": run_faults,
              "parallel": run_parallel, "greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
              "preempt_abort": run_preempt_abort}

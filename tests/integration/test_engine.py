@@ -385,6 +385,40 @@ def test_shared_compressed_context(evicting, prefix_cached):
     assert on["free_end"] == off["free_end"] == on["num_blocks"] - 1
 
 
+def test_hybrid_model_evicts_in_its_full_attention_layers(gemma):
+    """Gemma 3 270M, the second bundled model (vLLM's hybrid KV cache manager: five sliding-window groups and
+    one full-attention group, one KV head each): budget >= prompt gives the tokens of eviction off in the same
+    engine; a 2,000-token prompt at 128 tokens per head holds 5 blocks in the full-attention group instead of
+    63 while the sliding-window groups hold what vLLM's own manager holds without eviction (vLLM's managers);
+    with decode-time rounds the full-attention group stays within budget + T + 1 block after every step;
+    every preset runs; nothing fails or leaks."""
+    g = gemma["hybrid"]
+    assert g["kinds"].count("FullAttentionSpec") == 1 and g["kinds"].count("SlidingWindowSpec") == 5, g["kinds"]
+    assert g["failures"] == {}
+    assert all(len(t) == 24 for t in gemma["greedy_none"]) and gemma["greedy"] == gemma["greedy_none"]
+    full = g["kinds"].index("FullAttentionSpec")
+    sw = [i for i, k in enumerate(g["kinds"]) if k == "SlidingWindowSpec"]
+    ev, none = g["runs"]["H"], g["runs"]["Hnone"]
+    bs = g["block_size"]
+    assert max(t[full] for t in none["trace"]) == math.ceil(2000 / bs)
+    assert ev["trace"][-1][full] == 128 // bs + 1  # kept pages + the partial tail block
+    assert ev["tokens"] != none["tokens"] and len(ev["tokens"]) == 8
+    for i in sw:  # vLLM's sliding-window manager: the same with and without eviction
+        assert [t[i] for t in ev["trace"]][1:] == [t[i] for t in none["trace"]][1:], i
+        assert max(t[i] for t in ev["trace"][1:]) <= 512 // bs + 2
+    dec = g["runs"]["Hdecode"]
+    assert len(dec["tokens"]) == 160
+    assert max(t[full] for t in dec["trace"]) <= (128 + 64) // bs + 1, dec["trace"]
+    for run in g["runs"].values():
+        assert run["free_end"] == run["free_before"]
+    from vllm_contour.policies import policy_names
+
+    for name in policy_names():
+        for label in (name, name + "/agnostic"):
+            assert gemma["presets"][label] is not None and len(gemma["presets"][label]) == 6, label
+    assert gemma["presets"]["snapkv/moments"] is not None
+
+
 def test_bf16_budget_above_prompt_gives_the_tokens_without_eviction(evicting_bf16):
     """bf16 (the set-up's dtype on CPUs with bf16 instructions): budget >= prompt gives, token for token, the
     greedy tokens of the same prompts with eviction off in the same engine."""

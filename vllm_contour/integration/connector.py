@@ -9,6 +9,7 @@ metadata (workers -> scheduler, merged across TP/PP ranks); ``reports.py`` holds
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,19 +37,45 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.contour")
 
 
-def cache_shape(kv_cache_config: "KVCacheConfig") -> CacheShape:
-    """The (one) full-attention KV cache group's shape; other models are refused at start-up."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+@dataclass(frozen=True)
+class EvictionGroup:
+    """The KV cache group eviction works on and what the others are."""
+
+    index: int  # its index among vLLM's KV cache groups
+    num_groups: int
+    layer_names: tuple[str, ...]
+    shape: CacheShape
+
+
+def eviction_group(kv_cache_config: "KVCacheConfig") -> EvictionGroup:
+    """The one full-attention KV cache group. Hybrid models (e.g. Gemma 3: sliding-window layers and a few
+    full-attention layers, in separate groups under vLLM's hybrid KV cache manager) evict in the
+    full-attention group only; their sliding-window groups stay with vLLM's own manager, which frees the
+    blocks that leave the window. Any other kind of group (Mamba, chunked local, ...) is refused at start-up."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec) or \
-            getattr(groups[0].kv_cache_spec, "sliding_window", None):
+    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    full = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, FullAttentionSpec)
+            and not getattr(g.kv_cache_spec, "sliding_window", None)]
+    others_ok = all(i in full or isinstance(g.kv_cache_spec, SlidingWindowSpec) for i, g in enumerate(groups))
+    if len(full) != 1 or not others_ok:
         raise ValueError(
-            "kv_eviction: only models whose layers all use full attention (one KV cache group) are supported; "
-            f"this model has groups {[type(g.kv_cache_spec).__name__ for g in groups]}")
-    spec = groups[0].kv_cache_spec
-    return CacheShape(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
-                      elem_size=torch.empty((), dtype=spec.dtype).element_size())
+            "kv_eviction: supported are models whose layers use full attention, or full attention and sliding "
+            f"windows (one full-attention KV cache group, the rest sliding-window); this model has groups {kinds}")
+    g = groups[full[0]]
+    spec = g.kv_cache_spec
+    if any(o.kv_cache_spec.block_size != spec.block_size for o in groups):
+        raise ValueError(f"kv_eviction: the KV cache groups use different block sizes "
+                         f"{[o.kv_cache_spec.block_size for o in groups]}")
+    shape = CacheShape(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
+                       elem_size=torch.empty((), dtype=spec.dtype).element_size())
+    return EvictionGroup(full[0], len(groups), tuple(g.layer_names), shape)
+
+
+def cache_shape(kv_cache_config: "KVCacheConfig") -> CacheShape:
+    """The full-attention KV cache group's shape."""
+    return eviction_group(kv_cache_config).shape
 
 
 class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -56,15 +83,19 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = EvictionConfig.from_additional_config(vllm_config.additional_config)
-        shape = cache_shape(kv_cache_config) if kv_cache_config is not None else None
+        group = eviction_group(kv_cache_config) if kv_cache_config is not None else None
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             mc = vllm_config.model_config
-            self.scheduler_side = SchedulerSide(self.config, vllm_config.cache_config.block_size, shape,
-                                                model_id=f"{mc.model}@{mc.revision}")
+            self.scheduler_side = SchedulerSide(self.config, vllm_config.cache_config.block_size,
+                                                None if group is None else group.shape,
+                                                model_id=f"{mc.model}@{mc.revision}",
+                                                group=0 if group is None else group.index,
+                                                num_groups=1 if group is None else group.num_groups)
         else:
-            self.worker_side = WorkerSide(vllm_config, self.config)
+            self.worker_side = WorkerSide(vllm_config, self.config,
+                                          layer_names=None if group is None else group.layer_names)
         logger.info("kv_eviction: %s-side connector ready (pid %d): %s", role.name.lower(), os.getpid(),
                     self.config.to_dict())
 

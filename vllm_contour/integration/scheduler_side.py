@@ -98,8 +98,11 @@ class SchedulerTotals:
 
 
 class SchedulerSide:
-    def __init__(self, config: EvictionConfig, block_size: int, shape: CacheShape | None, model_id: str = ""):
+    def __init__(self, config: EvictionConfig, block_size: int, shape: CacheShape | None, model_id: str = "",
+                 group: int = 0, num_groups: int = 1):
         self.config = config
+        self.group = group  # vLLM's KV cache group eviction works on (the full-attention one)
+        self.num_groups = num_groups  # > 1: a hybrid model (its sliding-window groups are vLLM's own)
         self.block_size = block_size
         self.shape = shape
         self.manager: "KVCacheManager | None" = None
@@ -115,7 +118,7 @@ class SchedulerSide:
 
     def bind(self, kv_cache_manager: "KVCacheManager") -> None:
         self.manager = kv_cache_manager
-        if self._caching and self.config.share_contexts:
+        if self._caching and self.config.share_contexts and self.num_groups == 1:
             self.shared.bind(kv_cache_manager)
 
     @property
@@ -191,8 +194,7 @@ class SchedulerSide:
         t.nulled = sum(1 for b in self._blocks(req_id) if b.is_null)
         t.adopted = e.entry_id
         self._adopt[req_id] = e.entry_id
-        mgr = self.manager.coordinator.single_type_managers[0]
-        mgr.num_cached_block[req_id] = _NO_MORE_HASHING
+        self._stop_hashing(req_id)
         self.totals.evicted_requests += 1
         self.totals.shared_hits += 1
         self._stats.add("evicted_requests", 1)
@@ -333,6 +335,10 @@ class SchedulerSide:
         self._prepare(t)
         blocks = self._blocks(req.request_id)
         held = self._held(blocks)
+        if self.num_groups > 1:  # KV tokens per head averaged over all layers: add the other groups' blocks
+            mgrs = self.manager.coordinator.single_type_managers
+            held = (held + sum(self._held(m.req_to_blocks.get(req.request_id, []))
+                               for i, m in enumerate(mgrs) if i != self.group)) / self.num_groups
         t.held_sum += held * self.block_size
         t.held_n += 1
         t.held_peak = max(t.held_peak, held * self.block_size)
@@ -452,7 +458,13 @@ class SchedulerSide:
             self.manager.block_pool.free_blocks(back)
 
     def _blocks(self, req_id: str):
-        return self.manager.coordinator.single_type_managers[0].req_to_blocks.get(req_id, [])
+        return self.manager.coordinator.single_type_managers[self.group].req_to_blocks.get(req_id, [])
+
+    def _stop_hashing(self, req_id: str) -> None:
+        """Every group (a hybrid model's sliding-window layers too: their KV after the round was computed
+        over the compressed full-attention layers)."""
+        for mgr in self.manager.coordinator.single_type_managers:
+            mgr.num_cached_block[req_id] = _NO_MORE_HASHING
 
     def apply(self, report: ContourReport) -> None:
         """The workers' outcomes of this step's rounds."""
@@ -520,8 +532,7 @@ class SchedulerSide:
         if t.publishing is not None:
             self._publish(t, out, blocks)
         if self._caching:  # its blocks now hold KV computed over a compressed cache: never hash them
-            mgr = self.manager.coordinator.single_type_managers[0]
-            mgr.num_cached_block[req_id] = _NO_MORE_HASHING
+            self._stop_hashing(req_id)
         if not t.compacted:
             self.totals.evicted_requests += 1
             self._stats.add("evicted_requests", 1)

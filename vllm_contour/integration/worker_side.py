@@ -72,8 +72,10 @@ class FaultSwitch:
 
 
 class WorkerSide:
-    def __init__(self, vllm_config: "VllmConfig", config: EvictionConfig):
+    def __init__(self, vllm_config: "VllmConfig", config: EvictionConfig,
+                 layer_names: tuple[str, ...] | None = None):
         self.vllm_config = vllm_config
+        self.layer_names = layer_names  # the full-attention layers (a hybrid model's others are vLLM's)
         self.config = config
         self.block_size = vllm_config.cache_config.block_size
         self._layer_caches: list[tuple[str, torch.Tensor]] = []
@@ -97,7 +99,8 @@ class WorkerSide:
         from vllm_contour.integration.backend import layer_kv_views, layer_layout
         from vllm_contour.ops.paged import dims
 
-        named = sorted(kv_caches.items(), key=lambda kv: extract_layer_index(kv[0]))
+        named = sorted(((n, kv) for n, kv in kv_caches.items() if self.layer_names is None or n in self.layer_names),
+                       key=lambda kv: extract_layer_index(kv[0]))
         self._layer_caches = named
         st = worker_state()
         st.layer_index = {name: i for i, (name, _) in enumerate(named)}
