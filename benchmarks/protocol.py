@@ -284,14 +284,33 @@ def _run_config(llm, conn, samples, extra, generated):
                           else dict(extra, kv_context_len=s["context_len"]))
            for s in samples]
     outs = llm.generate([{"prompt_token_ids": s["prompt"]} for s in samples], sps, use_tqdm=False)
-    held = {k.split("-")[0]: v for k, v in conn.totals.kv_held.items()} if conn is not None else {}
+    # the mean cache of the evicting layers (a hybrid model's sliding-window layers hold the same for all)
+    held = {k.split("-")[0]: v for k, v in conn.totals.kv_held_evicting.items()} if conn is not None else {}
+    held_all = {k.split("-")[0]: v for k, v in conn.totals.kv_held.items()} if conn is not None else {}
     rows = []
     for s, o in zip(samples, outs):
         gen = list(o.outputs[0].token_ids)
         mean_kv = held.get(o.request_id.split("-")[0], (None, None))[0]
+        mean_all = held_all.get(o.request_id.split("-")[0], (None, None))[0]
         rows.append({"id": s["id"], "cluster": s["cluster"], "coverage": recall_coverage(s["reference"], gen),
-                     "prefix": recall_score(s["reference"], gen), "mean_kv": mean_kv})
+                     "prefix": recall_score(s["reference"], gen), "mean_kv": mean_kv,
+                     "mean_kv_all_layers": mean_all})
     return rows
+
+
+def _floor(conn, extra) -> int:
+    """The smallest budget the method accepts on this model's cache (sinks + recency, moment pages)."""
+    from vllm_contour.budget import BudgetError, request_budget
+    from vllm_contour.config import resolve_request
+
+    shape = conn.scheduler_side.shape
+    for b in range(32, 4097, 32):
+        try:
+            request_budget(resolve_request(conn.config, dict(extra, kv_budget=b)), shape, per_request=True)
+            return b
+        except BudgetError:
+            continue
+    return 4096
 
 
 def _mean(rows, key):
@@ -332,7 +351,7 @@ def run(args) -> dict:
     res["holdout"]["full"] = _run_config(llm, conn, hold, {"kv_policy": "none"}, args.generated)
     for target in targets:
         pts = {name: [(b, _mean(res["dev"][f"{name}@{b}"], "mean_kv")) for b in budgets] for name in methods}
-        matched = match_budgets(pts, target)
+        matched = {name: max(b, _floor(conn, methods[name])) for name, b in match_budgets(pts, target).items()}
         res["matched"][str(target)] = matched
         for name, b in matched.items():
             key = f"{name}@{b}"

@@ -69,6 +69,8 @@ class Tracked:
     held_sum: float = 0.0
     held_n: int = 0
     held_peak: int = 0
+    evicting_sum: float = 0.0
+    evicting_peak: float = 0.0
     prefill_tried: bool = False
     epoch: int = 0  # bumped whenever the request starts over; the worker drops its old state then
     fresh: tuple[int, list] | None = None  # (seq, private blocks) of the round in flight
@@ -95,6 +97,9 @@ class SchedulerTotals:
     failures: dict[str, int] = field(default_factory=dict)
     last: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # req -> (K, E, freed) of its last round
     kv_held: dict[str, tuple[float, int]] = field(default_factory=dict)  # finished req -> (mean, peak) tokens/head
+    # the same in the evicting (full-attention) layers only: what methods differ in on a hybrid model, whose
+    # sliding-window layers hold the same for every method (equal to kv_held on other models)
+    kv_held_evicting: dict[str, tuple[float, int]] = field(default_factory=dict)
 
 
 class SchedulerSide:
@@ -248,8 +253,10 @@ class SchedulerSide:
             self._stats.observe("request_mean_kv_tokens", t.held_sum / t.held_n)
             self._stats.observe("request_peak_kv_tokens", t.held_peak)
             self.totals.kv_held[request.request_id] = (t.held_sum / t.held_n, t.held_peak)
-            if len(self.totals.kv_held) > 4096:
-                self.totals.kv_held.pop(next(iter(self.totals.kv_held)))
+            self.totals.kv_held_evicting[request.request_id] = (t.evicting_sum / t.held_n, t.evicting_peak)
+            for d in (self.totals.kv_held, self.totals.kv_held_evicting):
+                if len(d) > 4096:
+                    d.pop(next(iter(d)))
         self._recompute.pop(request.request_id, None)
 
     def _boundary(self, t: Tracked) -> int | None:
@@ -335,6 +342,8 @@ class SchedulerSide:
         self._prepare(t)
         blocks = self._blocks(req.request_id)
         held = self._held(blocks)
+        t.evicting_sum += held * self.block_size
+        t.evicting_peak = max(t.evicting_peak, held * self.block_size)
         if self.num_groups > 1:  # KV tokens per head averaged over all layers: add the other groups' blocks
             mgrs = self.manager.coordinator.single_type_managers
             held = (held + sum(self._held(m.req_to_blocks.get(req.request_id, []))
