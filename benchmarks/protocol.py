@@ -266,13 +266,24 @@ def recall_samples(tok, per_play: int, context: int, cue: int, generated: int, m
 
 
 def _method(spec: str) -> tuple[str, dict]:
-    """``preset`` or ``preset@T<n>`` (decode interval n; ``@T0`` = evict only at the prompt end)."""
-    name, _, t = spec.partition("@")
+    """``preset``, ``preset@T<n>`` (decode interval n; ``@T0`` = evict only at the prompt end), either followed
+    by ``+mc`` / ``-mc`` (MomentKV's corrected inference on / off, whatever the preset's default: the
+    ablation of correction and moment-informed eviction)."""
+    mc = None
+    for suffix, on in (("+mc", True), ("-mc", False)):
+        if spec.endswith(suffix):
+            spec_core, mc = spec[: -len(suffix)], on
+            break
+    else:
+        spec_core = spec
+    name, _, t = spec_core.partition("@")
     extra = {"kv_policy": name}
     if t:
         if not (t.startswith("T") and t[1:].isdigit()):
-            raise SystemExit(f"--methods: {spec!r}: expected PRESET or PRESET@T<interval>")
+            raise SystemExit(f"--methods: {spec!r}: expected PRESET[@T<interval>][+mc|-mc]")
         extra["kv_decode_interval"] = int(t[1:])
+    if mc is not None:
+        extra["kv_moment_correction"] = mc
     return spec, extra
 
 

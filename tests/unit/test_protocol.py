@@ -216,6 +216,9 @@ def test_recall_samples_ask_to_continue_the_passage_after_the_instruction():
 def test_method_specs_and_summary():
     assert protocol._method("snapkv") == ("snapkv", {"kv_policy": "snapkv"})
     assert protocol._method("snapkv@T0")[1] == {"kv_policy": "snapkv", "kv_decode_interval": 0}
+    assert protocol._method("adakv+mc") == ("adakv+mc", {"kv_policy": "adakv", "kv_moment_correction": True})
+    assert protocol._method("moment@T0-mc")[1] == {"kv_policy": "moment", "kv_decode_interval": 0,
+                                                   "kv_moment_correction": False}
     with pytest.raises(SystemExit, match="methods"):
         protocol._method("snapkv@64")
     row = {"id": "a", "cluster": "p", "coverage": 0.5, "prefix": 0.25, "mean_kv": 200.0}
