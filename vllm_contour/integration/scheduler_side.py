@@ -65,7 +65,6 @@ class Tracked:
     retry_at: int = 0  # a first round that found nothing to evict is retried from here (T > 0)
     pending: int | None = None  # seq of the round in flight
     seq: int = 0
-    nulled: int = 0  # logical blocks of the request that eviction replaced by the null block
     held_sum: float = 0.0
     held_n: int = 0
     held_peak: int = 0
@@ -196,7 +195,6 @@ class SchedulerSide:
         """The request starts with a shared compressed context: compacted up to E from its first step."""
         req_id = t.request.request_id
         t.compacted, t.prefill_tried, t.region_blocks = True, True, e.region_blocks
-        t.nulled = sum(1 for b in self._blocks(req_id) if b.is_null)
         t.adopted = e.entry_id
         self._adopt[req_id] = e.entry_id
         self._stop_hashing(req_id)
@@ -223,7 +221,7 @@ class SchedulerSide:
         t.epoch += 1
         t.request = request
         t.prefill_end = request.num_tokens
-        t.compacted, t.region_blocks, t.retry_at, t.pending, t.nulled = False, 0, 0, None, 0
+        t.compacted, t.region_blocks, t.retry_at, t.pending = False, 0, 0, None
         t.prefill_tried = False
 
     def _resolve(self, request: "Request") -> RequestEviction | None:
@@ -533,7 +531,6 @@ class SchedulerSide:
         pool.free_blocks(released)
         # freed: blocks whose last reference this was (a shared or cached-prefix block stays with others)
         freed = [b for b in released if b.ref_cnt == 0]
-        t.nulled += len(frees)
         if replaced:
             self.totals.private_blocks += len(replaced)
             self._stats.add("private_blocks", len(replaced))
