@@ -10,8 +10,9 @@ and epoch (``keys``, see ``state.py``).
 An outcome is a dict: ``{"kind": "round", "seq", "region_blocks", "kept_blocks", "freed": [(slot,
 block_id), ...], "replaced": [(slot, old_id, new_id), ...], "published": entry id or None}``
 (``replaced``: the round packed into private blocks, which take those slots; ``published``: the worker
-kept the round's layout (and the partial block's snapshot) as a shared compressed context), ``{"kind": "noop", "seq"}`` (nothing to evict), ``{"kind": "plan_failed", "seq",
-"reason"}`` (nothing moved) or ``{"kind": "recompute", "seq", "reason"}`` (bytes moved, then it failed).
+kept the round's layout and the partial block's snapshot as a shared compressed context),
+``{"kind": "noop", "seq"}`` (nothing to evict), ``{"kind": "plan_failed", "seq", "reason"}`` (nothing
+moved) or ``{"kind": "recompute", "seq", "reason"}`` (bytes moved, then it failed).
 Ranks merge (``aggregate``): a block is freed only when every rank freed it, a slot is replaced when any
 rank wrote into its private block; ranks that disagree on the
 outcome or the region make the request recompute (their caches no longer describe one request).
