@@ -4,7 +4,9 @@
    (:func:`split_of`), so the split never depends on the order, the number or the selection of the samples
    that a run happens to load, and a sample never changes side between runs.
 2. Knobs (budgets, intervals, policy arguments) are tuned on ``dev`` only. The holdout is scored once, with
-   the knobs frozen, to confirm what dev found.
+   the knobs frozen, to confirm what dev found. A method spec may give candidates
+   (``contour/contour_knorm:allocator.mix=0.5/1``, :func:`expand_spec`): every candidate runs on dev at every
+   dev budget, the best mean dev coverage (:func:`tune_on_dev`) is the one the holdout sees.
 3. Holdout confirmation: per (model, budget) cell, the paired per-sample difference method - baseline on
    the same samples gets a cluster-bootstrap percentile CI (:func:`paired_diff_ci`; samples generated from
    one source passage are one cluster, since they succeed or fail together), at ``alpha / m`` over the
@@ -265,26 +267,94 @@ def recall_samples(tok, per_play: int, context: int, cue: int, generated: int, m
     return out
 
 
+def _knob_value(text: str):
+    """A knob value from a method spec: a JSON scalar (``0.5``, ``2``, ``true``) or else the text itself."""
+    import json
+
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return text
+    return v if isinstance(v, (bool, int, float, str)) else text
+
+
 def _method(spec: str) -> tuple[str, dict]:
     """``preset``, ``preset@T<n>`` (decode interval n; ``@T0`` = evict only at the prompt end), either followed
     by ``+mc`` / ``-mc`` (MomentKV's corrected inference on / off, whatever the preset's default: the
-    ablation of correction and moment-informed eviction)."""
+    ablation of correction and moment-informed eviction), then any ``:knob=value`` (the preset's component
+    knobs, ``kv_policy_args``; ``policy_knobs(preset)`` lists them). One value per knob here: see
+    :func:`expand_spec` for candidates."""
+    core, *knobs = spec.split(":")
     mc = None
     for suffix, on in (("+mc", True), ("-mc", False)):
-        if spec.endswith(suffix):
-            spec_core, mc = spec[: -len(suffix)], on
+        if core.endswith(suffix):
+            core, mc = core[: -len(suffix)], on
             break
-    else:
-        spec_core = spec
-    name, _, t = spec_core.partition("@")
+    name, _, t = core.partition("@")
     extra = {"kv_policy": name}
     if t:
         if not (t.startswith("T") and t[1:].isdigit()):
-            raise SystemExit(f"--methods: {spec!r}: expected PRESET[@T<interval>][+mc|-mc]")
+            raise SystemExit(f"--methods: {spec!r}: expected PRESET[@T<interval>][+mc|-mc][:knob=value...]")
         extra["kv_decode_interval"] = int(t[1:])
     if mc is not None:
         extra["kv_moment_correction"] = mc
+    args = {}
+    for kv in knobs:
+        k, eq, v = kv.partition("=")
+        if not (k and eq and v) or "/" in v:
+            raise SystemExit(f"--methods: {spec!r}: knob {kv!r}: expected knob=value (candidates: knob=v1/v2)")
+        args[k] = _knob_value(v)
+    if args:
+        import json
+
+        extra["kv_policy_args"] = json.dumps(args, sort_keys=True)
     return spec, extra
+
+
+def expand_spec(spec: str) -> list[str]:
+    """The dev candidates of a method spec: ``contour:mix=0.5/1/2`` -> ``contour:mix=0.5``, ``contour:mix=1``,
+    ``contour:mix=2`` (the product over every knob given with ``/``-separated values, and over presets given
+    so: ``contour/contour_knorm:mix=0.5/1`` -> 4 candidates); a spec without candidates is its own single
+    candidate. The protocol measures each candidate on dev and confirms only
+    the best one on the holdout (knobs are tuned on dev only)."""
+    import itertools
+
+    core, *knobs = spec.split(":")
+    options = []
+    for kv in knobs:
+        k, eq, v = kv.partition("=")
+        if not (k and eq and v) or any(not x for x in v.split("/")):
+            raise SystemExit(f"--methods: {spec!r}: knob {kv!r}: expected knob=value (candidates: knob=v1/v2)")
+        options.append([f"{k}={x}" for x in v.split("/")])
+    cores = core.split("/")
+    if any(not c for c in cores):
+        raise SystemExit(f"--methods: {spec!r}: expected PRESET[/PRESET...][:knob=v1/v2...]")
+    return [":".join(combo) for combo in itertools.product(cores, *options)]
+
+
+def tune_on_dev(dev_scores: dict[str, float]) -> str:
+    """The candidate with the highest dev score (ties: the first given): the one the holdout confirms."""
+    if not dev_scores:
+        raise ValueError("no dev candidates")
+    best = max(dev_scores.values())
+    return next(c for c, v in dev_scores.items() if v == best)
+
+
+def resolve_targets(text: str, budgets: list[int], dev_points: list[tuple[int, float]]) -> list[float]:
+    """``--targets``: mean KV tokens per head (``192``), or ``@B``: the baseline's measured dev mean at budget
+    ``B`` (one of the dev budgets). ``@B`` matches methods that hold what the baseline holds at budget B:
+    methods with the baseline's allocation (another selector, another knob) then get budget B exactly."""
+    out = []
+    means = dict(dev_points)
+    for t in text.split(","):
+        if t.startswith("@"):
+            b = int(t[1:])
+            if b not in budgets or means.get(b) is None:
+                raise SystemExit(f"--targets: {t!r}: budget {b} is not among the dev budgets {budgets}")
+            out.append(round(float(means[b]), 1))
+        else:
+            out.append(float(t))
+    return out
 
 
 def _run_config(llm, conn, samples, extra, generated):
@@ -329,7 +399,28 @@ def _mean(rows, key):
     return float(np.mean(vals)) if vals else None
 
 
-def run(args) -> dict:
+def _resumable(args, split: dict) -> dict:
+    """The rows of an earlier run in ``--out`` that this run may reuse (``--resume``): only when it measured
+    the same task on the same samples (model, dtype, passage and generation lengths, split); each config's
+    rows are reused whole, keyed by the config's name (preset, knobs, budget)."""
+    import json
+    from pathlib import Path
+
+    path = Path(args.out) / "protocol.json"
+    if not (args.resume and path.exists()):
+        return {"dev": {}, "holdout": {}}
+    old = json.loads(path.read_text())
+    same = all(old.get(k) == v for k, v in (("model", args.model), ("dtype", args.dtype), ("context", args.context),
+                                            ("generated", args.generated), ("splits", split)))
+    if not same:
+        raise SystemExit(f"--resume: {path} measured another task or sample set (model, dtype, lengths or split "
+                         "differ); pick another --out")
+    return {sp: old.get(sp, {}) for sp in ("dev", "holdout")}
+
+
+def run(args, save: Callable[[dict], None] | None = None) -> dict:
+    """Dev grid, knobs tuned on dev, matching, holdout, confirmation. ``save(res)`` is called after every
+    measured config (the partial result, so a run stopped midway can be resumed with ``--resume``)."""
     import time
 
     from vllm import LLM
@@ -338,69 +429,123 @@ def run(args) -> dict:
 
     t0 = time.time()
     model = str(fetch_model(args.model, quiet=True))
-    llm = LLM(model, dtype="float32", enforce_eager=True, max_model_len=4096, seed=0, block_size=32,
+    llm = LLM(model, dtype=args.dtype, enforce_eager=True, max_model_len=4096, seed=0, block_size=32,
               enable_prefix_caching=False,  # every configuration prefills the same prompts
               additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}})
     conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
     samples = recall_samples(llm.get_tokenizer(), args.per_play, args.context, args.cue, args.generated,
                              args.max_plays)
     split = {s["id"]: split_of(s["id"], args.holdout_share) for s in samples}
-    dev = [s for s in samples if split[s["id"]] == "dev"]
-    hold = [s for s in samples if split[s["id"]] == "holdout"]
-    methods = dict(_method(m) for m in args.methods.split(","))
+    by_split = {sp: [s for s in samples if split[s["id"]] == sp] for sp in ("dev", "holdout")}
+    specs = args.methods.split(",")
+    cands = {spec: expand_spec(spec) for spec in specs}
+    extras = {c: _method(c)[1] for cs in cands.values() for c in cs}
     budgets = [int(b) for b in args.budgets.split(",")]
-    targets = [float(t) for t in args.targets.split(",")]
-    res = {"task": "recall", "model": args.model, "splits": split, "context": args.context,
-           "generated": args.generated, "dev": {}, "holdout": {}, "matched": {}, "confirm": {}}
+    if args.baseline not in cands:
+        raise SystemExit(f"--baseline {args.baseline!r} is not one of --methods")
+    if args.versus is not None and args.versus not in cands:
+        raise SystemExit(f"--versus {args.versus!r} is not one of --methods")
+    res = {"task": "recall", "model": args.model, "dtype": args.dtype, "baseline": args.baseline,
+           "versus": args.versus, "splits": split, "context": args.context, "generated": args.generated,
+           "dev": {}, "holdout": {}, "tuned": {}, "matched": {}, "confirm": {}}
+    earlier = _resumable(args, split)
+    res["reused"] = []
+
+    def measure(sp: str, key: str, extra: dict) -> list:
+        if key not in res[sp]:
+            if key in earlier[sp]:
+                res[sp][key] = earlier[sp][key]
+                res["reused"].append(f"{sp}/{key}")
+            else:
+                res[sp][key] = _run_config(llm, conn, by_split[sp], extra, args.generated)
+            res["seconds"] = time.time() - t0
+            if save is not None:
+                save(res)
+        return res[sp][key]
+
     # 1. calibration: the full cache on dev (the task must be solvable at all)
-    res["dev"]["full"] = _run_config(llm, conn, dev, {"kv_policy": "none"}, args.generated)
-    # 2. dev: every method at the candidate budgets -> (budget, measured mean cache, score)
-    for name, extra in methods.items():
+    measure("dev", "full", {"kv_policy": "none"})
+    # 2. dev: every candidate of every method at the dev budgets -> (budget, measured mean cache, score)
+    for cand, extra in extras.items():
         for b in budgets:
-            res["dev"][f"{name}@{b}"] = _run_config(llm, conn, dev, dict(extra, kv_budget=b), args.generated)
-    # 3. per target mean cache, each method's budget from its dev trajectory; 4. holdout at those budgets
-    res["holdout"]["full"] = _run_config(llm, conn, hold, {"kv_policy": "none"}, args.generated)
+            measure("dev", f"{cand}@{b}", dict(extra, kv_budget=b))
+    # 3. knobs tuned on dev: per method the candidate with the best mean dev coverage over the budgets
+    methods = {}
+    for spec, cs in cands.items():
+        scores = {c: float(np.mean([_mean(res["dev"][f"{c}@{b}"], "coverage") for b in budgets])) for c in cs}
+        chosen = tune_on_dev(scores)
+        res["tuned"][spec] = {"chosen": chosen, "dev_coverage": scores}
+        methods[spec] = chosen
+    pts_of = {spec: [(b, _mean(res["dev"][f"{c}@{b}"], "mean_kv")) for b in budgets] for spec, c in methods.items()}
+    targets = resolve_targets(args.targets, budgets, pts_of[args.baseline])
+    # 4. per target mean cache, each method's budget from its dev trajectory; 5. holdout at those budgets
+    measure("holdout", "full", {"kv_policy": "none"})
     for target in targets:
-        pts = {name: [(b, _mean(res["dev"][f"{name}@{b}"], "mean_kv")) for b in budgets] for name in methods}
-        matched = {name: max(b, _floor(conn, methods[name])) for name, b in match_budgets(pts, target).items()}
+        matched = {spec: max(b, _floor(conn, extras[methods[spec]]))
+                   for spec, b in match_budgets(pts_of, target).items()}
         res["matched"][str(target)] = matched
-        for name, b in matched.items():
-            key = f"{name}@{b}"
-            if key not in res["holdout"]:
-                res["holdout"][key] = _run_config(llm, conn, hold, dict(methods[name], kv_budget=b), args.generated)
-    # 5. confirmation against the baseline per target cell, Bonferroni over the cells
-    base = args.baseline
-    for name in methods:
-        if name == base:
-            continue
+        for spec, b in matched.items():
+            measure("holdout", f"{methods[spec]}@{b}", dict(extras[methods[spec]], kv_budget=b))
+    # 6. confirmation per target cell, Bonferroni over the cells: every method against the baseline, or
+    # (--versus M) M against every other method
+    pairs = ([(args.versus, other) for other in methods if other != args.versus] if args.versus is not None
+             else [(name, args.baseline) for name in methods if name != args.baseline])
+    for name, other in pairs:
         cells = {}
         for target, matched in res["matched"].items():
-            a = res["holdout"][f"{name}@{matched[name]}"]
-            b = res["holdout"][f"{base}@{matched[base]}"]
+            a = res["holdout"][f"{methods[name]}@{matched[name]}"]
+            b = res["holdout"][f"{methods[other]}@{matched[other]}"]
             cells[target] = ([r["coverage"] for r in a], [r["coverage"] for r in b], [r["cluster"] for r in a])
-        res["confirm"][name] = confirm(cells, alpha=args.alpha, n_boot=args.n_boot, seed=args.seed)
+        res["confirm"][name if args.versus is None else other] = confirm(cells, alpha=args.alpha, n_boot=args.n_boot,
+                                                                         seed=args.seed)
     res["seconds"] = time.time() - t0
     return res
 
 
+def _cell(rs) -> str:
+    cov, kv = _mean(rs, "coverage"), _mean(rs, "mean_kv")
+    return f"{cov:.3f}" + (f" ({kv:.0f})" if kv is not None else "")
+
+
 def summary_markdown(res: dict) -> str:
+    """Dev (every candidate at every dev budget: coverage and measured mean KV), the knobs dev chose, the
+    holdout at the matched budgets, and the confirmation per (method, target) cell."""
     from benchmarks import md_table
 
-    lines = [f"recall: {res['context']}-token passages, {res['generated']} tokens to reproduce; dev "
-             f"{sum(v == 'dev' for v in res['splits'].values())} / holdout "
-             f"{sum(v == 'holdout' for v in res['splits'].values())} samples (MD5 split)", ""]
-    rows = []
-    for split in ("dev", "holdout"):
-        for key, rs in res[split].items():
-            rows.append([split, key, _mean(rs, "coverage"), _mean(rs, "prefix"), _mean(rs, "mean_kv"), len(rs)])
-    lines.append(md_table(["split", "config", "coverage", "verbatim prefix", "mean KV/head", "n"], rows, nd=3))
+    n_dev = sum(v == "dev" for v in res["splits"].values())
+    n_hold = sum(v == "holdout" for v in res["splits"].values())
+    lines = [f"recall: {res['context']}-token passages, {res['generated']} tokens to reproduce; dev {n_dev} / "
+             f"holdout {n_hold} samples (MD5 split); cells: coverage (measured mean KV tokens per head)", ""]
+    budgets = sorted({int(k.rsplit("@", 1)[1]) for k in res["dev"] if k != "full"})
+    full = {sp: _mean(res[sp]["full"], "coverage") for sp in ("dev", "holdout") if "full" in res[sp]}
+    rows = [["full cache"] + [f"{full.get('dev', float('nan')):.3f}"] * len(budgets)]
+    for cand in dict.fromkeys(k.rsplit("@", 1)[0] for k in res["dev"] if k != "full"):
+        rows.append([cand] + [_cell(res["dev"][f"{cand}@{b}"]) if f"{cand}@{b}" in res["dev"] else "-"
+                              for b in budgets])
+    lines.append(md_table(["dev"] + [f"budget {b}" for b in budgets], rows))
+    tuned = [[spec, t["chosen"], ", ".join(f"{c} {v:.3f}" for c, v in t["dev_coverage"].items())]
+             for spec, t in res.get("tuned", {}).items() if len(t["dev_coverage"]) > 1]
+    if tuned:
+        lines += ["", md_table(["method", "chosen on dev", "dev coverage per candidate (mean over the dev budgets)"],
+                               tuned)]
+    hrows = [["full cache", "-", "-", full.get("holdout"), _mean(res["holdout"].get("full", []), "prefix")
+              if "full" in res["holdout"] else None, len(res["holdout"].get("full", []))]]
+    for key, rs in res["holdout"].items():
+        if key != "full":
+            cfg, _, b = key.rpartition("@")
+            hrows.append([cfg, b, _mean(rs, "mean_kv"), _mean(rs, "coverage"), _mean(rs, "prefix"), len(rs)])
+    lines += ["", md_table(["holdout", "budget", "mean KV/head", "coverage", "verbatim prefix", "n"], hrows, nd=3)]
+    base, vs = res.get("baseline", "baseline"), res.get("versus")
     crow = []
     for name, cells in res["confirm"].items():
         for target, c in cells.items():
-            crow.append([name, target, c["point"], f"[{c['lo']:.3f}, {c['hi']:.3f}]", c["alpha"], c["verdict"]])
+            m = res.get("matched", {}).get(target, {})
+            pair = f"{m.get(vs, '-')} / {m.get(name, '-')}" if vs else f"{m.get(name, '-')} / {m.get(base, '-')}"
+            crow.append([name, target, pair, c["point"], f"[{c['lo']:.3f}, {c['hi']:.3f}]", c["alpha"], c["verdict"]])
     if crow:
-        lines += ["", md_table(["method vs " + "baseline", "mean KV target", "Δ coverage", "CI", "alpha",
-                                "verdict"], crow, nd=3)]
+        head = ([f"{vs} vs", "mean KV target", f"budgets ({vs} / it)", f"Δ coverage ({vs} - it)"] if vs else
+                [f"method vs {base}", "mean KV target", "budgets", "Δ coverage"])
+        lines += ["", md_table(head + ["CI", "alpha", "verdict"], crow, nd=3)]
     return "\n".join(lines)
 
 
@@ -421,10 +566,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="results/protocol")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--methods", default="snapkv,adakv,knorm,keydiff,expected_attention,contour,snapkv@T0",
-                    help="presets, PRESET@T<n> for another decode interval (@T0: evict at the prompt end only)")
+                    help="PRESET[@T<n>][+mc|-mc][:knob=value...]: @T<n> another decode interval (@T0: evict at "
+                         "the prompt end only), +mc/-mc moment correction on/off, :knob=v1/v2/... knob candidates "
+                         "tuned on dev (the best dev coverage goes to the holdout)")
     ap.add_argument("--baseline", default="snapkv")
     ap.add_argument("--budgets", default="128,256,384", help="candidate budgets measured on dev")
-    ap.add_argument("--targets", default="192,320", help="mean KV tokens per head the methods are matched at")
+    ap.add_argument("--targets", default="192,320",
+                    help="mean KV tokens per head the methods are matched at; @B = the baseline's dev mean at budget B")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--versus", default=None,
+                    help="confirm this method against every other one (Δ = it - other) instead of every method "
+                         "against --baseline (the baseline still fixes the @B targets)")
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse the configs an earlier (stopped) run with the same samples wrote to --out")
     ap.add_argument("--per-play", type=int, default=6)
     ap.add_argument("--max-plays", type=int, default=None)
     ap.add_argument("--context", type=int, default=512)
@@ -438,10 +592,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.methods, args.budgets, args.targets = "snapkv,knorm", "128,256", "224"
         args.per_play, args.max_plays = 2, 8
-    res = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "protocol.json").write_text(json.dumps(stamp(res, argv if argv is not None else sys.argv[1:]), indent=1))
+    argv = argv if argv is not None else sys.argv[1:]
+
+    def save(res: dict) -> None:
+        tmp = out / "protocol.json.tmp"
+        tmp.write_text(json.dumps(stamp(dict(res, complete=False), argv), indent=1))
+        tmp.replace(out / "protocol.json")
+
+    res = run(args, save)
+    res["complete"] = True
+    (out / "protocol.json").write_text(json.dumps(stamp(res, argv), indent=1))
     print(summary_markdown(res))
     return 0
 

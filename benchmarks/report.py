@@ -302,6 +302,18 @@ def render_soak(runs: list[tuple[str, dict]]) -> str:
     return "\n\n".join(provenance(res, "soak", src) + "\n\n" + summary_markdown(res) for src, res in runs)
 
 
+def render_protocol(runs: list[tuple[str, dict]]) -> str:
+    """The matched-mean-cache protocol (``benchmarks.protocol``): dev grid, knobs chosen on dev, holdout at
+    the matched budgets, confirmation with Bonferroni-corrected cluster-bootstrap intervals."""
+    from benchmarks.protocol import summary_markdown
+
+    out = []
+    for src, res in runs:
+        out += ([""] if out else []) + [provenance(res, "protocol", src) + f" — {res['model']}, "
+                f"{res.get('dtype', 'float32')}, baseline {res.get('baseline', '?')}", "", summary_markdown(res)]
+    return "\n".join(out)
+
+
 def render_shared_doc(runs: list[tuple[str, dict]]) -> str:
     from benchmarks.shared_doc import table
 
@@ -320,7 +332,7 @@ RENDERERS: dict[str, Callable[[list[tuple[str, dict]]], str]] = {
     "passkey": render_passkey, "serving": render_serving, "audit": render_audit, "ruler": render_ruler,
     "seed_claims": render_seed_claims, "perplexity": render_perplexity, "ops": render_ops,
     "decode_rounds": render_decode_rounds, "perplexity_long": render_perplexity_long, "soak": render_soak,
-    "shared_doc": render_shared_doc,
+    "shared_doc": render_shared_doc, "protocol": render_protocol,
 }
 
 

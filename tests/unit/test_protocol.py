@@ -1,4 +1,5 @@
 """The matched-mean-cache evaluation protocol: splits, cluster bootstrap, Bonferroni, budget matching, recall."""
+import json
 
 import numpy as np
 import pytest
@@ -7,6 +8,7 @@ from benchmarks import protocol
 from benchmarks.protocol import (assign_splits, bonferroni_alpha, budget_for_mean, cluster_bootstrap_ci,
                                  confirm, match_budgets, paired_diff_ci, predicted_mean_kv, recall_score,
                                  split_of)
+from vllm_contour.config import check_policy_args
 
 # ------------------------------------------------------------------------------------------------ splits
 
@@ -222,9 +224,47 @@ def test_method_specs_and_summary():
     with pytest.raises(SystemExit, match="methods"):
         protocol._method("snapkv@64")
     row = {"id": "a", "cluster": "p", "coverage": 0.5, "prefix": 0.25, "mean_kv": 200.0}
-    res = {"context": 60, "generated": 40, "splits": {"a": "dev", "b": "holdout"},
-           "dev": {"full": [dict(row, coverage=1.0)]}, "holdout": {"knorm@128": [row]},
+    res = {"context": 60, "generated": 40, "splits": {"a": "dev", "b": "holdout"}, "baseline": "snapkv",
+           "dev": {"full": [dict(row, coverage=1.0)], "knorm@128": [row], "knorm@256": [dict(row, coverage=0.75)],
+                   "contour:mix=0.5@128": [row]},
+           "holdout": {"full": [dict(row, coverage=0.9)], "knorm@128": [row]},
+           "tuned": {"contour:mix=0.5/2": {"chosen": "contour:mix=0.5",
+                                           "dev_coverage": {"contour:mix=0.5": 0.5, "contour:mix=2": 0.25}}},
+           "matched": {"224.0": {"knorm": 128, "snapkv": 160}},
            "confirm": {"knorm": {"224.0": {"point": -0.1, "lo": -0.2, "hi": 0.05, "alpha": 0.05, "verdict": "tie"}}}}
     md = protocol.summary_markdown(res)
-    assert "| dev | full | 1.000 | 0.250 | 200.000 | 1 |" in md
-    assert "| knorm | 224.0 | -0.100 | [-0.200, 0.050] | 0.050 | tie |" in md
+    assert "| full cache | 1.000 | 1.000 |" in md
+    assert "| knorm | 0.500 (200) | 0.750 (200) |" in md and "| contour:mix=0.5 | 0.500 (200) | - |" in md
+    assert "| contour:mix=0.5/2 | contour:mix=0.5 | contour:mix=0.5 0.500, contour:mix=2 0.250 |" in md
+    assert "| knorm | 128 | 200.000 | 0.500 | 0.250 | 1 |" in md
+    assert "| knorm | 224.0 | 128 / 160 | -0.100 | [-0.200, 0.050] | 0.050 | tie |" in md
+
+
+def test_method_knobs_candidates_and_dev_tuning():
+    name, extra = protocol._method("contour_diverse@T32:lam=0.25:allocator.mix=0.5")
+    assert extra["kv_policy"] == "contour_diverse" and extra["kv_decode_interval"] == 32
+    assert json.loads(extra["kv_policy_args"]) == {"lam": 0.25, "allocator.mix": 0.5}
+    # the knobs are what the engine's own validation accepts for that preset
+    assert check_policy_args("kv_policy_args", extra["kv_policy_args"], "contour_diverse") == {
+        "lam": 0.25, "allocator.mix": 0.5}
+    with pytest.raises(SystemExit, match="lam"):
+        protocol._method("contour_diverse:lam=0.25/0.5")  # candidates are expanded first, never run as one
+    with pytest.raises(SystemExit, match="knob"):
+        protocol._method("contour:mix")
+    assert protocol.expand_spec("snapkv") == ["snapkv"]
+    assert protocol.expand_spec("contour:mix=0.5/1:power=2") == ["contour:mix=0.5:power=2", "contour:mix=1:power=2"]
+    assert len(protocol.expand_spec("contour:mix=0.5/1:power=1/2/3")) == 6
+    assert protocol.expand_spec("contour/contour_knorm:mix=0.5/1") == [
+        "contour:mix=0.5", "contour:mix=1", "contour_knorm:mix=0.5", "contour_knorm:mix=1"]
+    with pytest.raises(SystemExit, match="mix"):
+        protocol.expand_spec("contour:mix=0.5/")
+    assert protocol.tune_on_dev({"a": 0.2, "b": 0.4, "c": 0.4}) == "b"  # best dev score, first on ties
+    with pytest.raises(ValueError):
+        protocol.tune_on_dev({})
+    pts = [(64, 80.5), (128, 150.0)]
+    assert protocol.resolve_targets("@64,@128,200", [64, 128], pts) == [80.5, 150.0, 200.0]
+    # a method with the baseline's trajectory gets exactly the baseline's budget at an @B target
+    assert protocol.match_budgets({"a": pts, "b": pts}, protocol.resolve_targets("@128", [64, 128], pts)[0]) == {
+        "a": 128, "b": 128}
+    with pytest.raises(SystemExit, match="targets"):
+        protocol.resolve_targets("@96", [64, 128], pts)
