@@ -133,3 +133,18 @@ def test_shared_doc_block_states_the_ratios_against_stock_with_prefix_caching():
     row = next(line for line in md.splitlines() if line.startswith("| evict_pc"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1] == "160" and cells[4] == "0.10" and cells[5] == "-" and cells[6] == "0/16" and cells[8] == "1.50"
+
+
+def test_protocol_block_quotes_the_command_and_the_versus_confirmation():
+    row = {"id": "a", "cluster": "p", "coverage": 0.5, "prefix": 0.25, "mean_kv": 150.0}
+    res = {"model": "smollm2", "dtype": "bfloat16", "baseline": "snapkv", "versus": "contour", "context": 512,
+           "generated": 320, "splits": {"a": "dev", "b": "holdout"}, "argv": ["--versus", "contour"],
+           "date": "2026-12-02", "seconds": 60.0,
+           "dev": {"full": [row], "contour@128": [row], "snapkv@128": [row]},
+           "holdout": {"full": [row], "contour@128": [row], "snapkv@128": [dict(row, coverage=0.25)]},
+           "matched": {"150.0": {"contour": 128, "snapkv": 128}},
+           "confirm": {"snapkv": {"150.0": {"point": 0.25, "lo": 0.1, "hi": 0.4, "alpha": 0.05, "verdict": "win"}}}}
+    md = report.render_protocol([("x.json", res)])
+    assert md.startswith("_`python -m benchmarks.protocol --versus contour` · 2026-12-02 · 60 s_ — smollm2, bfloat16")
+    assert "| contour vs | mean KV target | budgets (contour / it) | Δ coverage (contour - it) |" in md
+    assert "| snapkv | 150.0 | 128 / 128 | 0.250 | [0.100, 0.400] | 0.050 | win |" in md
