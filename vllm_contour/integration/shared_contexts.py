@@ -74,7 +74,6 @@ class SharedContexts:
         self.pending: dict[str, Entry] = {}  # request -> entry handed out as its hit this step
         self.dropped: list[int] = []  # entry ids the workers must forget
         self._next_id = 1
-        self.hits = 0  # requests that adopted an entry (cumulative)
 
     # ------------------------------------------------------------------ vLLM's pool
     def bind(self, manager: "KVCacheManager") -> None:
@@ -152,7 +151,6 @@ class SharedContexts:
         e.pins -= 1
         e.users.add(request.request_id)
         self.entries.move_to_end(e.key)
-        self.hits += 1
         return e
 
     def end_schedule(self) -> None:
