@@ -314,6 +314,18 @@ def render_protocol(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(out)
 
 
+def render_reasoning(runs: list[tuple[str, dict]]) -> str:
+    """The full-cache calibration of reasoning tasks (``benchmarks.reasoning``)."""
+    from benchmarks.reasoning import summary_markdown
+
+    out = []
+    for src, res in runs:
+        out += ([""] if out else []) + [provenance(res, "reasoning", src) + f" — {res['model']}, {res['n']} problems "
+                f"a task, greedy, up to {res['max_tokens']} tokens; qualifies = >= 30 % right and >= half the "
+                f"generations >= 300 tokens", "", summary_markdown(res)]
+    return "\n".join(out)
+
+
 def render_shared_doc(runs: list[tuple[str, dict]]) -> str:
     from benchmarks.shared_doc import table
 
@@ -333,6 +345,7 @@ RENDERERS: dict[str, Callable[[list[tuple[str, dict]]], str]] = {
     "seed_claims": render_seed_claims, "perplexity": render_perplexity, "ops": render_ops,
     "decode_rounds": render_decode_rounds, "perplexity_long": render_perplexity_long, "soak": render_soak,
     "shared_doc": render_shared_doc, "protocol": render_protocol,
+    "reasoning": render_reasoning,
 }
 
 

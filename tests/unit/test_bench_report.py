@@ -148,3 +148,12 @@ def test_protocol_block_quotes_the_command_and_the_versus_confirmation():
     assert md.startswith("_`python -m benchmarks.protocol --versus contour` · 2026-12-02 · 60 s_ — smollm2, bfloat16")
     assert "| contour vs | mean KV target | budgets (contour / it) | Δ coverage (contour - it) |" in md
     assert "| snapkv | 150.0 | 128 / 128 | 0.250 | [0.100, 0.400] | 0.050 | win |" in md
+
+
+def test_reasoning_block_says_which_task_qualifies():
+    t = {"correct": 12, "rg_correct": 12, "stated": 30, "gen_median": 320.0, "gen_ge_300": 20}
+    res = {"model": "smollm2", "n": 30, "max_tokens": 400, "argv": [], "date": "2026-12-02",
+           "tasks": {"a": t, "b": dict(t, correct=3, rg_correct=3), "c": dict(t, gen_ge_300=2)}}
+    md = report.render_reasoning([("x.json", res)])
+    assert "| a | 12/30 | 12/30 | 30/30 | 320 | 20/30 | yes |" in md
+    assert "| b | 3/30 | 3/30 | 30/30 | 320 | 20/30 | no |" in md and "| c | 12/30 | 12/30 | 30/30 | 320 | 2/30 | no |" in md
