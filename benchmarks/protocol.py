@@ -399,6 +399,28 @@ def _mean(rows, key):
     return float(np.mean(vals)) if vals else None
 
 
+# seconds per sample generation measured on this project's 2-core EPYC (bf16, SmolLM2, 512 + 320 tokens,
+# ~80-100 samples a batch): top-k presets ~1.3 s; the diversity selector's greedy picks ~2.8 s
+RATE_S = 1.3
+SLOW_PRESETS = {"contour_diverse": 2.2}
+
+
+def estimate(specs: list[str], budgets: int, targets: int, n_dev: int, n_hold: int, rate_s: float = RATE_S) -> dict:
+    """The compute of a run before it starts: configs and sample generations on dev (full cache + every
+    candidate at every dev budget) and on the holdout (full cache + every method at every target, an upper
+    bound: methods matched to the same budget share a config), and the hours at ``rate_s`` seconds per
+    sample generation (x ``SLOW_PRESETS`` for the slow selectors)."""
+    def slow(cand: str) -> float:
+        return SLOW_PRESETS.get(_method(cand)[1]["kv_policy"], 1.0)
+
+    cands = list(dict.fromkeys(c for spec in specs for c in expand_spec(spec)))  # shared candidates run once
+    dev_cfg, hold_cfg = 1 + len(cands) * budgets, 1 + len(specs) * targets
+    secs = rate_s * (n_dev + n_hold + sum(slow(c) * budgets * n_dev for c in cands)
+                     + sum(slow(expand_spec(spec)[0]) * targets * n_hold for spec in specs))
+    return {"dev_configs": dev_cfg, "holdout_configs": hold_cfg,
+            "generations": dev_cfg * n_dev + hold_cfg * n_hold, "hours": secs / 3600}
+
+
 def _resumable(args, split: dict) -> dict:
     """The rows of an earlier run in ``--out`` that this run may reuse (``--resume``): only when it measured
     the same task on the same samples (model, dtype, passage and generation lengths, split); each config's
@@ -577,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--versus", default=None,
                     help="confirm this method against every other one (Δ = it - other) instead of every method "
                          "against --baseline (the baseline still fixes the @B targets)")
+    ap.add_argument("--estimate", action="store_true",
+                    help="print the run's size (configs, sample generations, hours at --rate) and exit")
+    ap.add_argument("--rate", type=float, default=RATE_S, help="seconds per sample generation for --estimate")
     ap.add_argument("--resume", action="store_true",
                     help="reuse the configs an earlier (stopped) run with the same samples wrote to --out")
     ap.add_argument("--per-play", type=int, default=6)
@@ -592,6 +617,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.methods, args.budgets, args.targets = "snapkv,knorm", "128,256", "224"
         args.per_play, args.max_plays = 2, 8
+    if args.estimate:
+        from transformers import AutoTokenizer
+
+        from vllm_contour.models import fetch_model
+
+        tok = AutoTokenizer.from_pretrained(str(fetch_model(args.model, quiet=True)))
+        ids = [s["id"] for s in recall_samples(tok, args.per_play, args.context, args.cue, args.generated,
+                                                args.max_plays)]
+        sp = assign_splits(ids, args.holdout_share)
+        est = estimate(args.methods.split(","), len(args.budgets.split(",")), len(args.targets.split(",")),
+                       len(sp["dev"]), len(sp["holdout"]), args.rate)
+        print(f"dev {len(sp['dev'])} / holdout {len(sp['holdout'])} samples; {est['dev_configs']} dev + "
+              f"{est['holdout_configs']} holdout configs = {est['generations']} generations of "
+              f"{args.generated} tokens; about {est['hours']:.1f} h at {args.rate} s each")
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     argv = argv if argv is not None else sys.argv[1:]

@@ -268,3 +268,15 @@ def test_method_knobs_candidates_and_dev_tuning():
         "a": 128, "b": 128}
     with pytest.raises(SystemExit, match="targets"):
         protocol.resolve_targets("@96", [64, 128], pts)
+
+
+def test_estimate_counts_the_configs_and_generations_of_a_run():
+    est = protocol.estimate(["snapkv", "contour:mix=0.5/1"], budgets=3, targets=2, n_dev=10, n_hold=20, rate_s=1.0)
+    assert est["dev_configs"] == 1 + 3 + 2 * 3 and est["holdout_configs"] == 1 + 2 + 2
+    assert est["generations"] == 10 * 10 + 5 * 20
+    assert est["hours"] == pytest.approx(est["generations"] / 3600)
+    slow = protocol.estimate(["contour_diverse"], budgets=1, targets=1, n_dev=10, n_hold=10, rate_s=1.0)
+    assert slow["hours"] * 3600 == pytest.approx(20 + protocol.SLOW_PRESETS["contour_diverse"] * 20)
+    shared = protocol.estimate(["contour_diverse:lam=0.5", "contour_diverse:lam=0.25/0.5"], budgets=2, targets=1,
+                               n_dev=10, n_hold=10, rate_s=1.0)
+    assert shared["dev_configs"] == 1 + 2 * 2  # lam=0.5 is one candidate of both specs: measured once
