@@ -24,6 +24,7 @@ Pure python + numpy (no vLLM import).
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Callable, Sequence
 
 import numpy as np
@@ -269,8 +270,6 @@ def recall_samples(tok, per_play: int, context: int, cue: int, generated: int, m
 
 def _knob_value(text: str):
     """A knob value from a method spec: a JSON scalar (``0.5``, ``2``, ``true``) or else the text itself."""
-    import json
-
     try:
         v = json.loads(text)
     except ValueError:
@@ -305,8 +304,6 @@ def _method(spec: str) -> tuple[str, dict]:
             raise SystemExit(f"--methods: {spec!r}: knob {kv!r}: expected knob=value (candidates: knob=v1/v2)")
         args[k] = _knob_value(v)
     if args:
-        import json
-
         extra["kv_policy_args"] = json.dumps(args, sort_keys=True)
     return spec, extra
 
@@ -425,7 +422,6 @@ def _resumable(args, split: dict) -> dict:
     """The rows of an earlier run in ``--out`` that this run may reuse (``--resume``): only when it measured
     the same task on the same samples (model, dtype, passage and generation lengths, split); each config's
     rows are reused whole, keyed by the config's name (preset, knobs, budget)."""
-    import json
     from pathlib import Path
 
     path = Path(args.out) / "protocol.json"
