@@ -277,13 +277,25 @@ def _knob_value(text: str):
     return v if isinstance(v, (bool, int, float, str)) else text
 
 
+def _knobs(spec: str) -> tuple[str, list[tuple[str, list[str]]]]:
+    """``core:knob=v1/v2:...`` -> ``(core, [(knob, [v1, v2]), ...])``; a malformed knob is an error naming it."""
+    core, *knobs = spec.split(":")
+    out = []
+    for kv in knobs:
+        k, eq, v = kv.partition("=")
+        if not (k and eq and v) or any(not x for x in v.split("/")):
+            raise SystemExit(f"--methods: {spec!r}: knob {kv!r}: expected knob=value (candidates: knob=v1/v2)")
+        out.append((k, v.split("/")))
+    return core, out
+
+
 def _method(spec: str) -> tuple[str, dict]:
     """``preset``, ``preset@T<n>`` (decode interval n; ``@T0`` = evict only at the prompt end), either followed
     by ``+mc`` / ``-mc`` (MomentKV's corrected inference on / off, whatever the preset's default: the
     ablation of correction and moment-informed eviction), then any ``:knob=value`` (the preset's component
     knobs, ``kv_policy_args``; ``policy_knobs(preset)`` lists them). One value per knob here: see
     :func:`expand_spec` for candidates."""
-    core, *knobs = spec.split(":")
+    core, knobs = _knobs(spec)
     mc = None
     for suffix, on in (("+mc", True), ("-mc", False)):
         if core.endswith(suffix):
@@ -298,11 +310,10 @@ def _method(spec: str) -> tuple[str, dict]:
     if mc is not None:
         extra["kv_moment_correction"] = mc
     args = {}
-    for kv in knobs:
-        k, eq, v = kv.partition("=")
-        if not (k and eq and v) or "/" in v:
-            raise SystemExit(f"--methods: {spec!r}: knob {kv!r}: expected knob=value (candidates: knob=v1/v2)")
-        args[k] = _knob_value(v)
+    for k, values in knobs:
+        if len(values) > 1:
+            raise SystemExit(f"--methods: {spec!r}: knob {k!r}: candidates are expanded first (expand_spec)")
+        args[k] = _knob_value(values[0])
     if args:
         extra["kv_policy_args"] = json.dumps(args, sort_keys=True)
     return spec, extra
@@ -316,13 +327,8 @@ def expand_spec(spec: str) -> list[str]:
     the best one on the holdout (knobs are tuned on dev only)."""
     import itertools
 
-    core, *knobs = spec.split(":")
-    options = []
-    for kv in knobs:
-        k, eq, v = kv.partition("=")
-        if not (k and eq and v) or any(not x for x in v.split("/")):
-            raise SystemExit(f"--methods: {spec!r}: knob {kv!r}: expected knob=value (candidates: knob=v1/v2)")
-        options.append([f"{k}={x}" for x in v.split("/")])
+    core, knobs = _knobs(spec)
+    options = [[f"{k}={x}" for x in values] for k, values in knobs]
     cores = core.split("/")
     if any(not c for c in cores):
         raise SystemExit(f"--methods: {spec!r}: expected PRESET[/PRESET...][:knob=v1/v2...]")

@@ -48,10 +48,15 @@ def extract_answer(text: str) -> str | None:
     return found[-1] if found else None
 
 
+def _normalise(value: str) -> str:
+    """An answer as a bare number: thousands separators, currency signs and spaces dropped."""
+    return str(value).strip().rstrip(".").replace(",", "").replace("$", "").replace(" ", "")
+
+
 def _parse(value: str):
     import sympy
 
-    s = str(value).strip().rstrip(".").replace(",", "").replace("$", "").replace(" ", "")
+    s = _normalise(value)
     if not s or not re.fullmatch(r"-?(\d+\.?\d*|\.\d+)(/\d+)?", s):
         return None
     return sympy.Rational(s) if "/" not in s else sympy.Rational(*s.split("/"))
@@ -110,7 +115,7 @@ def calibrate(model_name: str, n: int, seed: int, max_tokens: int, dtype: str) -
             a = extract_answer(text)
             stated += a is not None
             ours += verify(text, str(e["answer"]))
-            theirs += a is not None and ds.score_answer(a.replace(",", "").replace("$", "").strip(), e) >= 1.0
+            theirs += a is not None and ds.score_answer(_normalise(a), e) >= 1.0
             lens.append(len(o.outputs[0].token_ids))
         res["tasks"][name] = {"correct": ours, "rg_correct": int(theirs), "stated": stated,
                               "gen_median": float(np.median(lens)), "gen_ge_300": sum(x >= 300 for x in lens),
