@@ -19,6 +19,7 @@ from vllm_contour.policies.scorers import (ExpectedAttentionScorer, H2OScorer, K
                                            window_attention)
 from vllm_contour.policies.selectors import (BalancingSelector, DiversitySelector, TopKSelector,
                                              normalise_scores, topk_indices)
+from vllm_contour.policies.selectors import diversity
 from vllm_contour.moments import accumulate, residual_norms
 
 ALL = policy_names()
@@ -364,6 +365,50 @@ def test_diversity_skips_duplicates():
     assert got[0].tolist() == [1] and got[1].tolist() == [0, 1, 2]
 
 
+def _mmr_reference(scores, k, sig, lam):
+    """The greedy by its definition, one head: forced first, then argmax of norm - lam * max cos."""
+    norm = normalise_scores(scores.unsqueeze(0))[0]
+    forced = torch.isposinf(norm)
+    if k <= int(forced.sum()) or k >= scores.numel():
+        return topk_indices(scores, k).tolist()
+    kept = torch.nonzero(forced).squeeze(1).tolist()
+    while len(kept) < k:
+        best, best_j = None, None
+        for j in range(scores.numel()):
+            if j in kept:
+                continue
+            pen = max((float(sig[j] @ sig[i]) for i in kept), default=0.0)
+            o = float(norm[j]) - lam * pen
+            if best is None or o > best + 1e-6:  # strictly better beyond rounding: ties keep the lower index
+                best, best_j = o, j
+        kept.append(best_j)
+    return sorted(kept)
+
+
+def test_diversity_greedy_matches_its_definition(monkeypatch):
+    """The vectorised greedy (objective lowered by a row minimum per pick, similarities precomputed or per
+    pick) keeps exactly the tokens the definition picks, with ties, duplicate values, -inf scores and heads
+    that need no greedy step."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(12):
+        h, bs, p, d = 3, 2, 6, 4
+        r = p * bs
+        values = torch.randint(-1, 2, (h, r, d), generator=g).float()  # duplicate signatures
+        scores = torch.randint(0, 4, (h, r), generator=g).float() if trial % 2 else torch.randn(h, r, generator=g)
+        scores[:, 0] = float("inf")
+        scores[1, 5] = float("-inf")
+        inp = LayerInputs(keys=torch.randn(h, r, d, generator=g), values=values, region_len=r, page_size=bs,
+                          layer_idx=0, num_layers=1, scale=1.0)
+        pages = torch.tensor([0, 3, trial % p + 1])
+        sig = F.normalize(values.mean(0), dim=-1)
+        for lam in (0.5, 1.0):
+            want = [_mmr_reference(scores[i], int(pages[i]) * bs, sig, lam) for i in range(h)]
+            for limit in (diversity.SIM_LIMIT, 0):
+                monkeypatch.setattr(diversity, "SIM_LIMIT", limit)
+                got = DiversitySelector(lam=lam).select(scores, pages, inp)
+                assert [x.tolist() for x in got] == want, (trial, lam, limit)
+
+
 def test_normalise_scores():
     n = normalise_scores(torch.tensor([[-4.0, -2.0, float("inf"), float("-inf")], [1.0, 1.0, 1.0, 1.0]]))
     assert n[0].tolist() == [0.0, 1.0, float("inf"), -1.0]
@@ -513,6 +558,8 @@ def test_knobs_reach_the_components_and_bad_ones_name_the_knob():
         build_policy("contour_diverse", {"lamda": 0.3})
     with pytest.raises(ValueError, match="allocator.mix"):
         build_policy("contour", {"mix": 1.5})
+    with pytest.raises(ValueError, match="selector.lam: diversity lam must be >= 0"):
+        build_policy("contour_diverse", {"lam": -0.5})
     with pytest.raises(ValueError, match="scorer.kernel_size: expected int"):
         build_policy("snapkv", {"kernel_size": "wide"})
     with pytest.raises(ValueError, match="has no knob 'lam'"):
