@@ -239,6 +239,14 @@ class FaultInjected(RuntimeError):
     """Raised by the test-only fault switch (``VLLM_CONTOUR_FAULTS``)."""
 
 
+def clear_moment_pages(caches: list[tuple[torch.Tensor, torch.Tensor]], layout: RequestLayout | None) -> None:
+    """Zero a layout's moment pages in every layer (before their blocks go back to vLLM's pool)."""
+    if layout is None or layout.moment_page_ids is None:
+        return
+    for layer, (kc, vc) in enumerate(caches):
+        ops.clear_pages(kc, vc, layout.moment_page_ids[layer].to(torch.int64))
+
+
 def apply_round(caches: list[tuple[torch.Tensor, torch.Tensor]], plan: RoundPlan,
                 fail_after_layer: int | None = None) -> RequestLayout:
     """Move the bytes of a planned round, layer by layer: add the evicted tokens to the layer's moments
@@ -251,8 +259,11 @@ def apply_round(caches: list[tuple[torch.Tensor, torch.Tensor]], plan: RoundPlan
         stats = None
         if layout.moment_page_ids is not None:
             if prev is not None and prev.moment_page_ids is not None:
-                old = ops.load_moments(kc, vc, prev.moment_page_ids[layer].to(torch.int64), h, d)
+                old_ids = prev.moment_page_ids[layer].to(torch.int64)
+                old = ops.load_moments(kc, vc, old_ids, h, d)
                 stats = {k: v.clone().to(torch.float32) for k, v in old.items()}
+                if not plan.fresh:  # their blocks may be freed now: no raw moment bits left in the pool
+                    ops.clear_pages(kc, vc, old_ids)
             else:
                 stats = mom_math.Moments.zeros((h,), d).as_dict()
             ev_p, ev_o, ev_h = lp.evicted

@@ -417,7 +417,18 @@ def run_short_moments(llm, spec, res):
     outs = _drain(llm, reasons=reasons)
     conn = _core(llm).scheduler.connector
     res["short_moments"] = {"lengths": lengths, "tokens": {k: len(v) for k, v in outs.items()},
-                            "reasons": reasons, "failures": dict(conn.totals.failures), "free_end": _free(llm)}
+                            "reasons": reasons, "failures": dict(conn.totals.failures), "free_end": _free(llm),
+                            "nonfinite_cache_elements": _nonfinite_cache_elements()}
+
+
+def _nonfinite_cache_elements() -> int:
+    """NaN / inf elements anywhere in the layers' KV caches (raw moment bits left in blocks back in vLLM's
+    pool would show here: another request's attention reads such blocks past its own tokens)."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    ws = get_kv_transfer_group().worker_side
+    return int(sum(int((~torch.isfinite(kv)).sum()) for _, kv in ws._layer_caches))
 
 
 def run_faults(llm, spec, res):

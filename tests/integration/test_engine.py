@@ -186,6 +186,9 @@ def test_moment_correction_on_ordinary_short_prompts_serves_everything(evicting)
     assert sm["tokens"] == {f"S{i}": 120 for i in range(len(sm["lengths"]))}
     assert set(sm["reasons"].values()) == {"length"}
     assert sm["failures"] == {}
+    # the moment pages were zeroed before their blocks went back: no raw fp32 bits (NaN / inf patterns
+    # in the cache dtype) poison later requests' attention (they did: stock requests decoded token 0)
+    assert sm["nonfinite_cache_elements"] == 0
 
 
 def test_fault_switch_failures_are_isolated_and_counted(faulty):

@@ -21,7 +21,7 @@ from vllm.logger import init_logger
 from vllm_contour import ops
 from vllm_contour.budget import CacheShape, request_budget
 from vllm_contour.config import EvictionConfig
-from vllm_contour.evictor import FaultInjected, apply_round, plan_round
+from vllm_contour.evictor import FaultInjected, apply_round, clear_moment_pages, plan_round
 from vllm_contour.integration.metrics import ContourStats
 from vllm_contour.integration.reports import ContourMetadata, ContourReport
 from vllm_contour.integration.state import QueryRing, RoundItem, worker_state
@@ -155,7 +155,7 @@ class WorkerSide:
         st = worker_state()
         try:
             for req_id in md.dropped:
-                st.drop(req_id)
+                self._release_layout(req_id)
             st.step_keys = {}
             for req_id, (key, epoch) in md.keys.items():
                 st.state_for(req_id, epoch)  # a request that started over loses its old state here
@@ -168,7 +168,9 @@ class WorkerSide:
                 else:
                     st.state_for(req_id).layout = layout
             for eid in md.shared_dropped:  # after the adoptions: one may name an entry dropped in this step
-                st.shared.pop(eid, None)
+                layout = st.shared.pop(eid, None)
+                if layout is not None and not any(rs.layout is layout for rs in st.requests.values()):
+                    clear_moment_pages(self._views, layout)
             st.rounds_now = {it.req_id: it for it in md.rounds}
             st.captures = {c.req_id: c for c in md.capture}
             for c in md.capture:
@@ -184,6 +186,22 @@ class WorkerSide:
                 st.step_keys = {key: req_id for req_id, (key, _) in md.keys.items()}
             except Exception:
                 st.forward_errors = {r: f"step start: {e}" for r in st.compacted()}
+
+    def _release_layout(self, req_id: str) -> None:
+        """Forget a request (finished, preempted, recomputed) and zero its moment pages unless a shared
+        compressed context or another request still reads them: its blocks go back to vLLM's pool."""
+        st = worker_state()
+        rs = st.requests.get(req_id)
+        st.drop(req_id)
+        layout = rs.layout if rs is not None else None
+        if layout is None or layout.moment_page_ids is None:
+            return
+        if any(x is layout for x in st.shared.values()) or any(o.layout is layout for o in st.requests.values()):
+            return
+        try:
+            clear_moment_pages(self._views, layout)
+        except Exception as e:  # never into vLLM
+            logger.warning("kv_eviction: %s: could not clear its moment pages (%s)", req_id, e)
 
     def after_forward(self) -> None:
         st = worker_state()
@@ -242,6 +260,12 @@ class WorkerSide:
                 self._report[req_id] = {"kind": "plan_failed", "seq": item.seq, "reason": f"apply: {reason}"}
                 return
             st.drop(req_id)  # its cache no longer matches any layout: the scheduler recomputes it
+            for lay in (prev, plan.layout):
+                if lay is not None and not any(x is lay for x in st.shared.values()):
+                    try:
+                        clear_moment_pages(self._views, lay)
+                    except Exception as err:
+                        logger.warning("kv_eviction: %s: could not clear its moment pages (%s)", req_id, err)
             self._report[req_id] = {"kind": "recompute", "seq": item.seq, "reason": reason}
             return
         t2 = time.perf_counter()

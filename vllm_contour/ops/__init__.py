@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+import torch
+
 from .reference import (accumulate_moments_ref, compact_ref, dense_attention_ref, load_moments_ref,
                         ragged_decode_attention_ref, store_moments_ref)
 
@@ -110,6 +112,13 @@ def store_moments(key_cache, value_cache, page_ids, packed, impl: str | None = N
     fn(key_cache, value_cache, page_ids, packed)
 
 
+def clear_pages(key_cache, value_cache, page_ids, impl: str | None = None) -> None:
+    """Zero head-pages ``page_ids`` (keys and values). Moment pages hold raw fp32 bits in the cache dtype
+    (NaN and inf patterns among them): they are cleared before their blocks can go back to vLLM's pool,
+    where another request's attention would read them as stale keys past its own tokens."""
+    store_moments(key_cache, value_cache, page_ids, torch.zeros(0, dtype=torch.float32), impl=impl)
+
+
 def load_moments(key_cache, value_cache, page_ids, num_heads: int, head_dim: int, impl: str | None = None):
     """Read moments written by ``store_moments``: ``page_ids [..., M]`` -> dict with leading dims ``[..., H]``."""
     fn = _pick("load_moments", impl, key_cache.device.type, key_cache=key_cache)
@@ -154,5 +163,5 @@ from .paged import copy_blocks  # noqa: E402
 # the engine do not meet "vllm_cpu"'s stride condition. VLLM_CONTOUR_OPS_IMPL forces one implementation.
 
 __all__ = ["compact", "accumulate_moments", "ragged_decode_attention", "store_moments", "load_moments",
-           "implementations", "register_impl", "available", "copy_blocks",
+           "clear_pages", "implementations", "register_impl", "available", "copy_blocks",
            "compact_ref", "accumulate_moments_ref", "ragged_decode_attention_ref", "dense_attention_ref"]
