@@ -312,6 +312,23 @@ def test_moments_storage_round_trips_on_every_layout():
                 assert torch.equal(back[key], m[key][0].to(back[key].dtype)), (layout, dtype, key)
 
 
+def test_clear_pages_zeroes_those_pages_and_nothing_else():
+    """Moment pages are zeroed before their blocks go back to vLLM's pool: exactly those head-pages (keys
+    and values), on every layout, whatever (NaN-patterned) bits they held."""
+    ids = torch.tensor([3, 4, 9])  # head-page p = block p // H, head p % H
+    for layout in ("cpu_rows", "cpu_keyT", "cpu_amx"):
+        for dtype in DTYPES:
+            _, k, v = make_cache(layout, NB, H, BS, D, dtype)
+            ops.store_moments(k, v, ids[:1], torch.full((BS * D,), float("nan")))
+            before_k, before_v = k.clone(), v.clone()
+            ops.clear_pages(k, v, ids)
+            hit = torch.zeros(NB, H, dtype=torch.bool)
+            hit[ids // H, ids % H] = True
+            for got, was in ((k, before_k), (v, before_v)):
+                assert torch.equal(got[hit], torch.zeros_like(got[hit])), (layout, dtype)
+                assert torch.equal(got[~hit], was[~hit]), (layout, dtype)
+
+
 # ---------------------------------------------------------------------------------------- dispatch
 def test_dispatch_prefers_cpp_on_cpu(cpp):
     for op in ("compact", "accumulate_moments", "ragged_decode_attention"):

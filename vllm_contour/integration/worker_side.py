@@ -168,9 +168,7 @@ class WorkerSide:
                 else:
                     st.state_for(req_id).layout = layout
             for eid in md.shared_dropped:  # after the adoptions: one may name an entry dropped in this step
-                layout = st.shared.pop(eid, None)
-                if layout is not None and not any(rs.layout is layout for rs in st.requests.values()):
-                    clear_moment_pages(self._views, layout)
+                self._clear_unread(st.shared.pop(eid, None), f"shared context {eid}")
             st.rounds_now = {it.req_id: it for it in md.rounds}
             st.captures = {c.req_id: c for c in md.capture}
             for c in md.capture:
@@ -193,15 +191,20 @@ class WorkerSide:
         st = worker_state()
         rs = st.requests.get(req_id)
         st.drop(req_id)
-        layout = rs.layout if rs is not None else None
+        self._clear_unread(rs.layout if rs is not None else None, req_id)
+
+    def _clear_unread(self, layout, owner: str) -> None:
+        """Zero a layout's moment pages (raw fp32 bits, NaN patterns in bf16 slots) once nothing reads them:
+        no shared compressed context and no request on this worker holds the layout any more."""
         if layout is None or layout.moment_page_ids is None:
             return
+        st = worker_state()
         if any(x is layout for x in st.shared.values()) or any(o.layout is layout for o in st.requests.values()):
             return
         try:
             clear_moment_pages(self._views, layout)
         except Exception as e:  # never into vLLM
-            logger.warning("kv_eviction: %s: could not clear its moment pages (%s)", req_id, e)
+            logger.warning("kv_eviction: %s: could not clear its moment pages (%s)", owner, e)
 
     def after_forward(self) -> None:
         st = worker_state()
@@ -261,11 +264,7 @@ class WorkerSide:
                 return
             st.drop(req_id)  # its cache no longer matches any layout: the scheduler recomputes it
             for lay in (prev, plan.layout):
-                if lay is not None and not any(x is lay for x in st.shared.values()):
-                    try:
-                        clear_moment_pages(self._views, lay)
-                    except Exception as err:
-                        logger.warning("kv_eviction: %s: could not clear its moment pages (%s)", req_id, err)
+                self._clear_unread(lay, req_id)
             self._report[req_id] = {"kind": "recompute", "seq": item.seq, "reason": reason}
             return
         t2 = time.perf_counter()
