@@ -403,18 +403,23 @@ def _mean(rows, key):
 
 
 # seconds per sample generation measured on this project's 2-core EPYC (bf16, SmolLM2, 512 + 320 tokens,
-# ~80-100 samples a batch): top-k presets ~1.3 s; the diversity selector's greedy picks ~2.8 s
+# ~80-100 samples a batch): top-k presets ~1.3 s (2.0 s on a slower day); the diversity selector's greedy
+# picks ~2.2x that (64 / 128 and 384 / 448); MomentKV (moment scores, corrected inference, or both) ~2x,
+# from the ablation run (1.85 h where 1.2 h was estimated without it)
 RATE_S = 1.3
-SLOW_PRESETS = {"contour_diverse": 2.2}
+SLOW_PRESETS = {"contour_diverse": 2.2, "moment": 2.0, "moment_contour": 2.0}
+SLOW_MOMENT_CORRECTION = 2.0
 
 
 def estimate(specs: list[str], budgets: int, targets: int, n_dev: int, n_hold: int, rate_s: float = RATE_S) -> dict:
     """The compute of a run before it starts: configs and sample generations on dev (full cache + every
     candidate at every dev budget) and on the holdout (full cache + every method at every target, an upper
     bound: methods matched to the same budget share a config), and the hours at ``rate_s`` seconds per
-    sample generation (x ``SLOW_PRESETS`` for the slow selectors)."""
+    sample generation (x ``SLOW_PRESETS`` for the slow presets, x ``SLOW_MOMENT_CORRECTION`` for ``+mc``)."""
     def slow(cand: str) -> float:
-        return SLOW_PRESETS.get(_method(cand)[1]["kv_policy"], 1.0)
+        extra = _method(cand)[1]
+        return max(SLOW_PRESETS.get(extra["kv_policy"], 1.0),
+                   SLOW_MOMENT_CORRECTION if extra.get("kv_moment_correction") else 1.0)
 
     cands = list(dict.fromkeys(c for spec in specs for c in expand_spec(spec)))  # shared candidates run once
     dev_cfg, hold_cfg = 1 + len(cands) * budgets, 1 + len(specs) * targets

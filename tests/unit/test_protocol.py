@@ -277,6 +277,8 @@ def test_estimate_counts_the_configs_and_generations_of_a_run():
     assert est["hours"] == pytest.approx(est["generations"] / 3600)
     slow = protocol.estimate(["contour_diverse"], budgets=1, targets=1, n_dev=10, n_hold=10, rate_s=1.0)
     assert slow["hours"] * 3600 == pytest.approx(20 + protocol.SLOW_PRESETS["contour_diverse"] * 20)
+    mc = protocol.estimate(["adakv+mc"], budgets=1, targets=1, n_dev=10, n_hold=10, rate_s=1.0)
+    assert mc["hours"] * 3600 == pytest.approx(20 + protocol.SLOW_MOMENT_CORRECTION * 20)
     shared = protocol.estimate(["contour_diverse:lam=0.5", "contour_diverse:lam=0.25/0.5"], budgets=2, targets=1,
                                n_dev=10, n_hold=10, rate_s=1.0)
     assert shared["dev_configs"] == 1 + 2 * 2  # lam=0.5 is one candidate of both specs: measured once
