@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import time
 from typing import TYPE_CHECKING
 
@@ -67,7 +68,8 @@ class FaultSwitch:
         rate = self.rates.get(kind, 0.0)
         if rate <= 0:
             return False
-        h = hashlib.sha256(f"{self.seed}/{kind}/{req_id}/{seq}".encode()).digest()
+        stable = re.sub(r"-[0-9a-f]{8}$", "", req_id)  # vLLM appends a random suffix to the caller's id
+        h = hashlib.sha256(f"{self.seed}/{kind}/{stable}/{seq}".encode()).digest()
         return int.from_bytes(h[:8], "little") / 2 ** 64 < rate
 
 
