@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 BLOCK = re.compile(r"<!-- results:(?P<name>[a-z_]+(?:/[a-z0-9_]+)?)(?P<srcs>(?: [^ >]+)*) -->\n(?P<body>.*?)<!-- /results:(?P=name) -->",
                    re.S)
+OPENER = re.compile(r"<!-- results:([A-Za-z0-9][^ >]*)")
 
 
 def provenance(res: dict, name: str, src: str) -> str:
@@ -378,6 +379,11 @@ def regenerate(text: str, root: Path, only: set[str] | None = None) -> tuple[str
         head = f"<!-- results:{m.group('name')}{m.group('srcs')} -->"
         return f"{head}\n{body}\n<!-- /results:{m.group('name')} -->"
 
+    blocks = {m.group("name") for m in BLOCK.finditer(text)}
+    for m in OPENER.finditer(text):  # a marker that is not a block would otherwise be skipped in silence
+        if m.group(1) not in blocks:
+            raise ValueError(f"README marker 'results:{m.group(1)}' is not a block: a name is [a-z_]+ with an "
+                             f"optional /[a-z0-9_]+ tag, closed by <!-- /results:{m.group(1)} -->")
     return BLOCK.sub(sub, text), names
 
 

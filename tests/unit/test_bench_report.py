@@ -59,6 +59,11 @@ def test_missing_file_and_unknown_renderer_are_named(tmp_path):
         report.regenerate("<!-- results:ruler r/none.json -->\n<!-- /results:ruler -->", tmp_path)
     with pytest.raises(ValueError, match="results:bogus.*unknown renderer"):
         report.regenerate("<!-- results:bogus x.json -->\n<!-- /results:bogus -->", tmp_path)
+    for bad in ("protocol/diversity-hi", "Protocol"):  # not a block name: an error, not a silent skip
+        with pytest.raises(ValueError, match=f"results:{bad}' is not a block"):
+            report.regenerate(f"<!-- results:{bad} x.json -->\n<!-- /results:{bad} -->", tmp_path)
+    with pytest.raises(ValueError, match="results:passkey' is not a block"):  # never closed
+        report.regenerate("<!-- results:passkey x.json -->\n", tmp_path)
 
 
 def test_serving_ratio_rows_come_from_the_same_run():
