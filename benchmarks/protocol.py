@@ -402,16 +402,27 @@ def _mean(rows, key):
     return float(np.mean(vals)) if vals else None
 
 
-# seconds per sample generation measured on this project's 2-core EPYC (bf16, SmolLM2, 512 + 320 tokens,
-# ~80-100 samples a batch): top-k presets ~1.3 s (2.0 s on a slower day); the diversity selector's greedy
-# picks ~2.2x that (64 / 128 and 384 / 448); MomentKV (moment scores, corrected inference, or both) ~2x,
-# from the ablation run (1.85 h where 1.2 h was estimated without it)
-RATE_S = 1.3
+# seconds per sample generation (SmolLM2, 512 + 320 tokens, ~80-100 samples a batch), by serving dtype: bf16
+# on this project's 2-core EPYC with AVX-512-bf16, top-k presets ~1.3 s (2.0 s on a slower day); fp32 on a
+# 2-core Intel Xeon with AVX-512 (no bf16) 3.2 s, and ~5.8 s on a 2-core EPYC with AVX2 only (the full cache
+# on 139 dev samples: 848 s with the engine's start). The diversity selector's greedy picks ~2.2x that
+# (64 / 128 and 384 / 448); MomentKV (moment scores, corrected inference, or both) ~2x in bf16, from the
+# ablation run (1.85 h where 1.2 h was estimated without it), ~1.45x in fp32 (2.0 is kept: an upper bound)
+RATE_S = {"bfloat16": 1.3, "float32": 3.2}
 SLOW_PRESETS = {"contour_diverse": 2.2, "moment": 2.0, "moment_contour": 2.0}
 SLOW_MOMENT_CORRECTION = 2.0
 
 
-def estimate(specs: list[str], budgets: int, targets: int, n_dev: int, n_hold: int, rate_s: float = RATE_S) -> dict:
+def rate_for(dtype: str, rate: float | None = None) -> float:
+    """Seconds per sample generation for ``--estimate``: ``--rate`` when given, else :data:`RATE_S` of the dtype."""
+    if rate is not None:
+        if rate <= 0:
+            raise SystemExit(f"--rate {rate}: seconds per generation must be > 0")
+        return rate
+    return RATE_S[dtype]
+
+
+def estimate(specs: list[str], budgets: int, targets: int, n_dev: int, n_hold: int, rate_s: float) -> dict:
     """The compute of a run before it starts: configs and sample generations on dev (full cache + every
     candidate at every dev budget) and on the holdout (full cache + every method at every target, an upper
     bound: methods matched to the same budget share a config), and the hours at ``rate_s`` seconds per
@@ -608,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
                          "against --baseline (the baseline still fixes the @B targets)")
     ap.add_argument("--estimate", action="store_true",
                     help="print the run's size (configs, sample generations, hours at --rate) and exit")
-    ap.add_argument("--rate", type=float, default=RATE_S, help="seconds per sample generation for --estimate")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="seconds per sample generation for --estimate (default: 1.3 for bfloat16, 3.2 for float32)")
     ap.add_argument("--resume", action="store_true",
                     help="reuse the configs an earlier (stopped) run with the same samples wrote to --out")
     ap.add_argument("--per-play", type=int, default=6)
@@ -634,10 +646,11 @@ def main(argv: list[str] | None = None) -> int:
                                                 args.max_plays)]
         sp = assign_splits(ids, args.holdout_share)
         est = estimate(args.methods.split(","), len(args.budgets.split(",")), len(args.targets.split(",")),
-                       len(sp["dev"]), len(sp["holdout"]), args.rate)
+                       len(sp["dev"]), len(sp["holdout"]), rate_for(args.dtype, args.rate))
         print(f"dev {len(sp['dev'])} / holdout {len(sp['holdout'])} samples; {est['dev_configs']} dev + "
               f"{est['holdout_configs']} holdout configs = {est['generations']} generations of "
-              f"{args.generated} tokens; about {est['hours']:.1f} h at {args.rate} s each")
+              f"{args.generated} tokens; about {est['hours']:.1f} h at {rate_for(args.dtype, args.rate)} s each "
+              f"({args.dtype})")
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

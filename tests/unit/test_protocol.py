@@ -282,3 +282,11 @@ def test_estimate_counts_the_configs_and_generations_of_a_run():
     shared = protocol.estimate(["contour_diverse:lam=0.5", "contour_diverse:lam=0.25/0.5"], budgets=2, targets=1,
                                n_dev=10, n_hold=10, rate_s=1.0)
     assert shared["dev_configs"] == 1 + 2 * 2  # lam=0.5 is one candidate of both specs: measured once
+
+
+def test_estimate_rate_follows_the_dtype_unless_given():
+    assert protocol.rate_for("bfloat16") == protocol.RATE_S["bfloat16"]
+    assert protocol.rate_for("float32") == protocol.RATE_S["float32"] > protocol.RATE_S["bfloat16"]
+    assert protocol.rate_for("float32", 5.8) == 5.8
+    with pytest.raises(SystemExit, match="--rate"):
+        protocol.rate_for("float32", 0.0)
