@@ -20,25 +20,74 @@ def _p2(x: int, lo: int = 1) -> int:
     return max(lo, triton.next_power_of_2(int(x)))
 
 
+def _int_views(key_cache, value_cache):
+    it = _INT_VIEW[key_cache.element_size()]
+    return key_cache.view(it), value_cache.view(it), it  # move bits: no float arithmetic
+
+
+def _row_grid(m: int, d: int):
+    block_d = _p2(d)
+    block_m = max(1, min(64, 4096 // block_d))
+    return (triton.cdiv(m, block_m),), dict(BLOCK_M=block_m, BLOCK_D=block_d)
+
+
+def _idx(x, dev):
+    return x.reshape(-1).to(dev, torch.int64).contiguous()
+
+
+def gather_rows(key_cache, value_cache, page, off) -> torch.Tensor:
+    """Token rows ``(page, off)`` of K and V as raw bits: ``[2, M, D]`` (same-width integers)."""
+    nb, h, bs, d = key_cache.shape
+    kc, vc, it = _int_views(key_cache, value_cache)
+    dev = key_cache.device
+    m = page.numel()
+    tmp = torch.empty((2, m, d), dtype=it, device=dev)
+    if m:
+        grid, ce = _row_grid(m, d)
+        kernels.compact_gather_kernel[grid](kc, vc, tmp, _idx(page, dev), _idx(off, dev), m, h, d,
+                                            *kc.stride(), *vc.stride(), **ce)
+    return tmp
+
+
+def scatter_rows(key_cache, value_cache, page, off, rows: torch.Tensor) -> None:
+    """Write ``rows [2, M, D]`` (raw bits, as ``gather_rows`` returns) to token rows ``(page, off)``."""
+    nb, h, bs, d = key_cache.shape
+    kc, vc, it = _int_views(key_cache, value_cache)
+    dev = key_cache.device
+    m = page.numel()
+    if m:
+        grid, ce = _row_grid(m, d)
+        kernels.compact_scatter_kernel[grid](kc, vc, rows.to(dev).view(it).contiguous(), _idx(page, dev),
+                                             _idx(off, dev), m, h, d, *kc.stride(), *vc.stride(), **ce)
+
+
 def compact(key_cache, value_cache, src_page, src_off, dst_page, dst_off):
     """Move tokens ``(src_page, src_off) -> (dst_page, dst_off)`` of K and V in place. Sources and
     destinations may overlap: one launch gathers every source into a temporary, a second scatters."""
-    m = src_page.numel()
-    if m == 0:
+    if src_page.numel() == 0:
         return
+    scatter_rows(key_cache, value_cache, dst_page, dst_off, gather_rows(key_cache, value_cache, src_page, src_off))
+
+
+def page_rows(key_cache, value_cache, page_ids) -> torch.Tensor:
+    """Whole head-pages ``page_ids [M]`` as raw bits ``[M, 2, bs, D]`` (keys of a page, then its values, in
+    logical order: what ``ops.reference`` stores moments as)."""
     nb, h, bs, d = key_cache.shape
-    it = _INT_VIEW[key_cache.element_size()]
-    kc, vc = key_cache.view(it), value_cache.view(it)  # move bits: no float arithmetic
     dev = key_cache.device
-    sp, so = src_page.to(dev, torch.int64).contiguous(), src_off.to(dev, torch.int64).contiguous()
-    dp, do = dst_page.to(dev, torch.int64).contiguous(), dst_off.to(dev, torch.int64).contiguous()
-    tmp = torch.empty((2, m, d), dtype=it, device=dev)
-    block_d = _p2(d)
-    block_m = max(1, min(64, 4096 // block_d))
-    grid = (triton.cdiv(m, block_m),)
-    args = (h, d, *kc.stride(), *vc.stride())
-    kernels.compact_gather_kernel[grid](kc, vc, tmp, sp, so, m, *args, BLOCK_M=block_m, BLOCK_D=block_d)
-    kernels.compact_scatter_kernel[grid](kc, vc, tmp, dp, do, m, *args, BLOCK_M=block_m, BLOCK_D=block_d)
+    p = _idx(page_ids, dev)
+    page = p.repeat_interleave(bs)
+    off = torch.arange(bs, device=dev).repeat(p.numel())
+    return gather_rows(key_cache, value_cache, page, off).view(2, p.numel(), bs, d).transpose(0, 1)
+
+
+def set_page_rows(key_cache, value_cache, page_ids, rows: torch.Tensor) -> None:
+    """Inverse of ``page_rows``: write ``rows [M, 2, bs, D]`` (raw bits) into head-pages ``page_ids``."""
+    nb, h, bs, d = key_cache.shape
+    dev = key_cache.device
+    p = _idx(page_ids, dev)
+    page = p.repeat_interleave(bs)
+    off = torch.arange(bs, device=dev).repeat(p.numel())
+    scatter_rows(key_cache, value_cache, page, off, rows.transpose(0, 1).reshape(2, -1, d))
 
 
 def _f32_contig(t: torch.Tensor) -> torch.Tensor:
@@ -74,32 +123,74 @@ def accumulate_moments(key_cache, value_cache, page_ids, offsets, head_of_token,
     return moments
 
 
+_SMS: dict[str, int] = {}
+
+
+def _num_sms(dev: torch.device) -> int:
+    """Streaming multiprocessors of the device (4 under the CPU interpreter: small grids still split)."""
+    key = str(dev)
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+    return _SMS[key]
+
+
+def num_segments(rows: int, kv_heads: int, max_tokens: int, block_n: int, dev: torch.device) -> int:
+    """How many segments each page list is split into: enough programs for two waves over the device's
+    multiprocessors when rows x KV heads alone are fewer, never a segment shorter than two chunks, at most
+    16 (vLLM's unified attention uses 16 for its 3-D decode)."""
+    progs = rows * kv_heads
+    sms = _num_sms(dev)
+    if progs >= sms:
+        return 1
+    return max(1, min(16, triton.cdiv(2 * sms, progs), max_tokens // (2 * block_n)))
+
+
 def ragged_decode_attention(query, key_cache, value_cache, page_table, seq_lens, scale, moments=None,
-                            block_n: int | None = None, **_):
-    """Decode attention over ragged per-head page lists; returns ``(out [T, Hq, D] query dtype,
-    lse [T, Hq] fp32)``. See ``vllm_contour.ops.reference.ragged_decode_attention_ref``."""
+                            block_n: int | None = None, segments: int | None = None, out=None,
+                            native_dot: bool | None = None, **_):
+    """Decode attention over ragged per-head page lists; returns ``(out [T, Hq, D], lse [T, Hq] fp32)``
+    (``out``: written in place when given, any float dtype; else a new tensor in the query dtype). See
+    ``vllm_contour.ops.reference.ragged_decode_attention_ref``. ``segments`` (default: ``num_segments``
+    from the table's width, a host-side bound, so nothing waits for the device) splits each list."""
     t, hq, d = query.shape
     nb, h, bs, _ = key_cache.shape
     g = hq // h
     dev = query.device
-    out = torch.empty((t, hq, d), dtype=torch.float32, device=dev)
+    if out is None:
+        out = torch.empty((t, hq, d), dtype=query.dtype, device=dev)
     lse = torch.empty((t, hq), dtype=torch.float32, device=dev)
     if t == 0:
-        return out.to(query.dtype), lse
-    block_g, block_d = _p2(g), _p2(d)
-    block_n = block_n or max(8, min(_p2(bs), 8192 // (block_g * block_d)))
+        return out, lse
+    block_g, block_d = _p2(g, 16), _p2(d, 16)
+    block_n = block_n or (bs if bs in (16, 32, 64) else 32)
     block_e = max(1, min(block_d, 4096 // (block_g * block_d)))
     if moments is not None:
-        mom = [_f32_contig(moments[k]) for k in ("n", "sum_k", "sum_v", "sum_vk")]
+        mom = [_f32_contig(moments[k].to(dev)) for k in ("n", "sum_k", "sum_v", "sum_vk")]
     else:
         mom = [lse] * 4  # unused
-    pt = page_table if page_table.dtype in (torch.int32, torch.int64) else page_table.to(torch.int64)
-    kernels.ragged_decode_kernel[(t * h,)](
-        query, key_cache, value_cache, pt, seq_lens, out, lse, *mom,
+    pt = page_table.to(dev)
+    pt = pt if pt.dtype in (torch.int32, torch.int64) else pt.to(torch.int64)
+    sl = seq_lens.to(dev)
+    s = segments or num_segments(t, h, pt.shape[2] * bs, block_n, dev)
+    native_dot = dev.type == "cuda" and key_cache.dtype in (torch.bfloat16, torch.float16) if native_dot is None \
+        else native_dot
+    split = s > 1
+    seg_acc = torch.empty((t * hq * s, d), dtype=torch.float32, device=dev) if split else lse
+    seg_ml = torch.empty((t * hq * s, 2), dtype=torch.float32, device=dev) if split else lse
+    o_strides = (out.stride(0), out.stride(1))
+    kernels.ragged_decode_kernel[(t * h, s)](
+        query, key_cache, value_cache, pt, sl, out, lse, *mom, seg_acc, seg_ml,
         h, g, d, bs, float(scale), *query.stride(), *key_cache.stride(), *value_cache.stride(),
-        *pt.stride(), *seq_lens.stride(),
-        HAS_MOMENTS=moments is not None, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_E=block_e)
-    return out.to(query.dtype), lse
+        *pt.stride(), *sl.stride(), *o_strides,
+        HAS_MOMENTS=moments is not None, SPLIT=split, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_E=block_e, DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
+        NATIVE_DOT=native_dot, ONE_PAGE=block_n == bs)
+    if split:
+        kernels.ragged_reduce_kernel[(t * h,)](
+            query, out, lse, *mom, seg_acc, seg_ml, h, g, d, s, float(scale), *query.stride(), *o_strides,
+            HAS_MOMENTS=moments is not None, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_E=block_e)
+    return out, lse
 
 
-__all__ = ["compact", "accumulate_moments", "ragged_decode_attention", "kernels"]
+__all__ = ["compact", "gather_rows", "scatter_rows", "page_rows", "set_page_rows", "accumulate_moments",
+           "ragged_decode_attention", "num_segments", "kernels"]

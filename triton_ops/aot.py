@@ -52,13 +52,23 @@ def kernel_specs(dtype: str = "bf16", head_dim: int = 64, group: int = 3):
                                                     "off_ptr": "*i64", "order_ptr": "*i64", "seg_ptr": "*i64",
                                                     "n_ptr": "*fp32", "sk_ptr": "*fp32", "sv_ptr": "*fp32",
                                                     "svk_ptr": "*fp32"}, ce), ce))
+    bg = max(16, bg)  # the query group is padded to 16 rows for tl.dot
+    block_n = 32
+    block_e = max(1, min(bd, 4096 // (bg * bd)))
+    f32 = {k: "*fp32" for k in ("lse_ptr", "n_ptr", "sk_ptr", "sv_ptr", "svk_ptr", "seg_acc_ptr", "seg_ml_ptr")}
     kern = kernels.ragged_decode_kernel
     for has in (False, True):
-        ce = {"HAS_MOMENTS": has, "BLOCK_G": bg, "BLOCK_N": max(8, min(32, 8192 // (bg * bd))), "BLOCK_D": bd,
-              "BLOCK_E": max(1, min(bd, 4096 // (bg * bd)))}
-        types = {"q_ptr": cache, "k_ptr": cache, "v_ptr": cache, "pt_ptr": "*i32", "sl_ptr": "*i32",
-                 "out_ptr": "*fp32", "lse_ptr": "*fp32", "n_ptr": "*fp32", "sk_ptr": "*fp32", "sv_ptr": "*fp32",
-                 "svk_ptr": "*fp32", "scale": "fp32"}
+        for split in (False, True):
+            ce = {"HAS_MOMENTS": has, "SPLIT": split, "BLOCK_G": bg, "BLOCK_N": block_n, "BLOCK_D": bd,
+                  "BLOCK_E": block_e, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
+                  "NATIVE_DOT": dtype != "fp32", "ONE_PAGE": True}
+            types = {"q_ptr": cache, "k_ptr": cache, "v_ptr": cache, "pt_ptr": "*i32", "sl_ptr": "*i32",
+                     "out_ptr": cache, "scale": "fp32", **f32}
+            specs.append((f"{kern.__name__}[moments={has},split={split}]", kern, _sig(kern, types, ce), ce))
+    kern = kernels.ragged_reduce_kernel
+    for has in (False, True):
+        ce = {"HAS_MOMENTS": has, "BLOCK_G": bg, "BLOCK_D": bd, "BLOCK_E": block_e}
+        types = {"q_ptr": cache, "out_ptr": cache, "scale": "fp32", **f32}
         specs.append((f"{kern.__name__}[moments={has}]", kern, _sig(kern, types, ce), ce))
     return specs
 

@@ -1,7 +1,10 @@
-"""Triton kernels of vllm-contour's three ops. Caches are ``[num_blocks, H, bs, D]`` views with arbitrary
-strides (head-page id = block * H + lane); every kernel takes the four strides of each cache. Arithmetic
-in fp32: bf16 / fp16 caches are loaded and cast in-kernel (also what the CPU interpreter needs: it has no
-bf16 arithmetic). Compaction moves raw bits (the launcher views the caches as same-width integers).
+"""Triton kernels of vllm-contour's ops: compaction (two launches through a temporary, so moves may overlap;
+the same gather / scatter move whole head-pages for moment storage), moment accumulation and ragged
+paged attention (split over segments of each page list when the batch is small). Caches are
+``[num_blocks, H, bs, D]`` views with arbitrary strides (head-page id = block * H + lane); every kernel
+takes the four strides of each cache. Arithmetic in fp32: bf16 / fp16 caches are loaded and cast
+in-kernel (also what the CPU interpreter needs: it has no bf16 arithmetic). Compaction moves raw bits
+(the launcher views the caches as same-width integers).
 """
 
 import triton
@@ -90,52 +93,11 @@ def accumulate_moments_kernel(k_ptr, v_ptr, page_ptr, off_ptr, order_ptr, seg_pt
 
 
 @triton.jit
-def ragged_decode_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, sl_ptr, out_ptr, lse_ptr,
-                         n_ptr, sk_ptr, sv_ptr, svk_ptr,
-                         H, G, D, BS, scale,
-                         qs0, qs1, qs2, ks0, ks1, ks2, ks3, vs0, vs1, vs2, vs3, pts0, pts1, pts2, sls0, sls1,
-                         HAS_MOMENTS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Program (token t, KV head h): online softmax over the head's page list in chunks of ``BLOCK_N``
-    tokens (a chunk may span pages: every token looks up its page), the ``G`` query heads of the group
-    at once. ``out [T, Hq, D]`` / ``lse [T, Hq]`` fp32 contiguous; moments contiguous fp32 ``[T, H, ...]``
-    (``vllm_contour.moments.merge_evicted``, fused)."""
-    th = tl.program_id(0)
-    t = th // H
-    h = th % H
-    L = tl.load(sl_ptr + t.to(tl.int64) * sls0 + h * sls1).to(tl.int32)
-    gs = tl.arange(0, BLOCK_G)
-    gm = gs < G
-    ds = tl.arange(0, BLOCK_D)
-    dm = ds < D
-    qrow = h * G + gs  # query heads of this group
-    q_base = q_ptr + t.to(tl.int64) * qs0
-    q = tl.load(q_base + qrow.to(tl.int64)[:, None] * qs1 + ds.to(tl.int64)[None, :] * qs2,
-                mask=gm[:, None] & dm[None, :], other=0.0).to(tl.float32) * scale  # [BLOCK_G, BLOCK_D]
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    pt_base = pt_ptr + t.to(tl.int64) * pts0 + h * pts1
-    for i0 in range(0, L, BLOCK_N):
-        js = i0 + tl.arange(0, BLOCK_N)
-        jm = js < L
-        page = tl.load(pt_base + (js // BS).to(tl.int64) * pts2, mask=jm, other=0).to(tl.int64)
-        off = (js % BS).to(tl.int64)
-        blk = page // H
-        lane = page % H
-        mk = jm[:, None] & dm[None, :]
-        k = tl.load(k_ptr + (blk * ks0 + lane * ks1 + off * ks2)[:, None] + ds.to(tl.int64)[None, :] * ks3,
-                    mask=mk, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_N]
-        s = tl.where(jm[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + (blk * vs0 + lane * vs1 + off * vs2)[:, None] + ds.to(tl.int64)[None, :] * vs3,
-                    mask=mk, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m_i = m_new
+def _finish_row(acc, m_i, l_i, q, q_base, qrow, qs1, qs2, gm, ds, dm, th, n_ptr, sk_ptr, sv_ptr, svk_ptr,
+                D, scale, HAS_MOMENTS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_E: tl.constexpr):
+    """Normalise one (row, KV head)'s online-softmax state and mix in the evicted part's moments
+    (``vllm_contour.moments.merge_evicted``). ``q`` is the scaled fp32 query group ``[BLOCK_G, BLOCK_D]``."""
     has = l_i > 0.0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -165,6 +127,130 @@ def ragged_decode_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, sl_ptr, out_ptr, lse_ptr,
         mixed_lse = mx + tl.log(1.0 + tl.exp(-tl.abs(lse - log_ze)))
         mixed_lse = tl.where(has, mixed_lse, log_ze)
         lse = tl.where(cnt > 0.0, mixed_lse, lse)
+    return out, lse
+
+
+@triton.jit
+def _load_q(q_ptr, t, h, G, D, scale, qs0, qs1, qs2, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    gs = tl.arange(0, BLOCK_G)
+    gm = gs < G
+    ds = tl.arange(0, BLOCK_D)
+    dm = ds < D
+    qrow = h * G + gs  # query heads of this KV head's group
+    q_base = q_ptr + t.to(tl.int64) * qs0
+    q = tl.load(q_base + qrow.to(tl.int64)[:, None] * qs1 + ds.to(tl.int64)[None, :] * qs2,
+                mask=gm[:, None] & dm[None, :], other=0.0).to(tl.float32) * scale  # [BLOCK_G, BLOCK_D]
+    return q, q_base, qrow, gs, gm, ds, dm
+
+
+@triton.jit
+def ragged_decode_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, sl_ptr, out_ptr, lse_ptr,
+                         n_ptr, sk_ptr, sv_ptr, svk_ptr, seg_acc_ptr, seg_ml_ptr,
+                         H, G, D, BS, scale,
+                         qs0, qs1, qs2, ks0, ks1, ks2, ks3, vs0, vs1, vs2, vs3, pts0, pts1, pts2, sls0, sls1,
+                         os0, os1,
+                         HAS_MOMENTS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr, ONE_PAGE: tl.constexpr):
+    """Program (row t, KV head h, segment s): online softmax over the s-th slice of the head's page list in
+    chunks of ``BLOCK_N`` tokens (``ONE_PAGE``: a chunk is one page, else every token looks up its page),
+    the ``G`` query heads of the group at once (``tl.dot``, the group padded to ``BLOCK_G >= 16`` rows).
+    Dots: ``NATIVE_DOT`` (16-bit caches on a GPU) in the cache dtype with fp32 accumulation, like vLLM's
+    kernel; else fp32 operands at ``DOT_PRECISION`` ("ieee" for fp32 caches; the interpreter's path). With ``SPLIT``
+    (``S = grid[1]`` segments) each program writes its partial state ``(acc, m, l)`` to the segment scratch
+    and ``ragged_reduce_kernel`` merges them; otherwise it finishes the row itself. ``out [T, Hq, D]``
+    (strides ``os0``, ``os1``; any float dtype) / ``lse [T, Hq]`` fp32; moments contiguous fp32
+    ``[T, H, ...]``."""
+    th = tl.program_id(0)
+    s = tl.program_id(1)
+    t = th // H
+    h = th % H
+    L = tl.load(sl_ptr + t.to(tl.int64) * sls0 + h * sls1).to(tl.int32)
+    q, q_base, qrow, gs, gm, ds, dm = _load_q(q_ptr, t, h, G, D, scale, qs0, qs1, qs2, BLOCK_G, BLOCK_D)
+    if SPLIT:
+        n_seg = tl.num_programs(1)
+        seg = tl.cdiv(tl.cdiv(L, n_seg), BLOCK_N) * BLOCK_N
+        lo = s * seg
+        hi = tl.minimum(L, lo + seg)
+    else:
+        lo = 0
+        hi = L
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    pt_base = pt_ptr + t.to(tl.int64) * pts0 + h * pts1
+    q_dot = q.to(k_ptr.dtype.element_ty) if NATIVE_DOT else q
+    for i0 in range(lo, hi, BLOCK_N):
+        js = i0 + tl.arange(0, BLOCK_N)
+        jm = js < hi
+        off = (js % BS).to(tl.int64)
+        if ONE_PAGE:  # chunks are whole pages (BLOCK_N == BS, segments page-aligned): one page id per chunk
+            page = tl.load(pt_base + (i0 // BS).to(tl.int64) * pts2).to(tl.int64)
+        else:  # a chunk may span pages: every token looks up its page
+            page = tl.load(pt_base + (js // BS).to(tl.int64) * pts2, mask=jm, other=0).to(tl.int64)
+        blk = page // H
+        lane = page % H
+        mk = jm[:, None] & dm[None, :]
+        k = tl.load(k_ptr + (blk * ks0 + lane * ks1 + off * ks2)[:, None] + ds.to(tl.int64)[None, :] * ks3,
+                    mask=mk, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if NATIVE_DOT:  # 16-bit operands, fp32 accumulation (as vLLM's kernel does)
+            sc = tl.dot(q_dot, tl.trans(k))
+        else:
+            sc = tl.dot(q_dot, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+        sc = tl.where(jm[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + (blk * vs0 + lane * vs1 + off * vs2)[:, None] + ds.to(tl.int64)[None, :] * vs3,
+                    mask=mk, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if NATIVE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
+        m_i = m_new
+    orow = th.to(tl.int64) * G + gs  # = t * Hq + query head
+    if SPLIT:
+        n_seg = tl.num_programs(1)
+        srow = orow * n_seg + s
+        tl.store(seg_acc_ptr + srow[:, None] * D + ds[None, :], acc, mask=gm[:, None] & dm[None, :])
+        tl.store(seg_ml_ptr + srow * 2, m_i, mask=gm)
+        tl.store(seg_ml_ptr + srow * 2 + 1, l_i, mask=gm)
+    else:
+        out, lse = _finish_row(acc, m_i, l_i, q, q_base, qrow, qs1, qs2, gm, ds, dm, th, n_ptr, sk_ptr, sv_ptr,
+                               svk_ptr, D, scale, HAS_MOMENTS, BLOCK_G, BLOCK_D, BLOCK_E)
+        o_ptr = out_ptr + t.to(tl.int64) * os0 + qrow.to(tl.int64)[:, None] * os1 + ds[None, :]
+        tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
+        tl.store(lse_ptr + orow, lse, mask=gm)
+
+
+@triton.jit
+def ragged_reduce_kernel(q_ptr, out_ptr, lse_ptr, n_ptr, sk_ptr, sv_ptr, svk_ptr, seg_acc_ptr, seg_ml_ptr,
+                         H, G, D, S, scale, qs0, qs1, qs2, os0, os1,
+                         HAS_MOMENTS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_E: tl.constexpr):
+    """Program (row t, KV head h): merge the ``S`` segments' partial softmax states of the group's query
+    heads, then finish the row (moments, log-sum-exp) like the unsplit kernel."""
+    th = tl.program_id(0)
+    t = th // H
+    h = th % H
+    q, q_base, qrow, gs, gm, ds, dm = _load_q(q_ptr, t, h, G, D, scale, qs0, qs1, qs2, BLOCK_G, BLOCK_D)
     orow = th.to(tl.int64) * G + gs
-    tl.store(out_ptr + orow[:, None] * D + ds[None, :], out, mask=gm[:, None] & dm[None, :])
+    m_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for s in range(0, S):
+        m_max = tl.maximum(m_max, tl.load(seg_ml_ptr + (orow * S + s) * 2, mask=gm, other=float("-inf")))
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s in range(0, S):
+        srow = orow * S + s
+        m_s = tl.load(seg_ml_ptr + srow * 2, mask=gm, other=float("-inf"))
+        w = tl.exp(m_s - m_ref)
+        l_i += w * tl.load(seg_ml_ptr + srow * 2 + 1, mask=gm, other=0.0)
+        acc += w[:, None] * tl.load(seg_acc_ptr + srow[:, None] * D + ds[None, :], mask=gm[:, None] & dm[None, :],
+                                    other=0.0)
+    out, lse = _finish_row(acc, m_max, l_i, q, q_base, qrow, qs1, qs2, gm, ds, dm, th, n_ptr, sk_ptr, sv_ptr,
+                           svk_ptr, D, scale, HAS_MOMENTS, BLOCK_G, BLOCK_D, BLOCK_E)
+    o_ptr = out_ptr + t.to(tl.int64) * os0 + qrow.to(tl.int64)[:, None] * os1 + ds[None, :]
+    tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
     tl.store(lse_ptr + orow, lse, mask=gm)

@@ -19,6 +19,7 @@ A plan that fails raises before any byte moved; the caller then leaves the reque
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -62,6 +63,12 @@ class RoundPlan:
         return bool(self.replaced)
 
 
+def on_device(t: torch.Tensor):
+    """Tensors a round creates live where the cache lives: a default-device scope for CUDA caches (policies,
+    layouts and indices are then made on the GPU); nothing on CPU."""
+    return torch.device(t.device) if t.device.type != "cpu" else contextlib.nullcontext()
+
+
 def plan_round(caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], num_tokens: int,
                params: RequestEviction, budget: PageBudget, scale: float, prev: RequestLayout | None = None,
                queries: dict[int, torch.Tensor] | None = None, query_positions: torch.Tensor | None = None,
@@ -69,6 +76,13 @@ def plan_round(caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[
     """Plan one round. Returns None when there is nothing to evict (every layer's candidates fit in its
     budget, or no new full block since the last round). Raises ``PlanError`` (or the policy's error) when
     the round cannot be planned; nothing has been written then."""
+    with on_device(caches[0][0]):
+        return _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, queries, query_positions,
+                           policy, fresh_ids)
+
+
+def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, queries, query_positions, policy,
+                fresh_ids) -> RoundPlan | None:
     t0 = time.perf_counter()
     key0 = caches[0][0]
     _, h, bs, d = dims(key0)
@@ -252,6 +266,11 @@ def apply_round(caches: list[tuple[torch.Tensor, torch.Tensor]], plan: RoundPlan
     """Move the bytes of a planned round, layer by layer: add the evicted tokens to the layer's moments
     (read where they still sit), compact the kept tokens, store the moments in their new pages. Returns
     the new layout. ``fail_after_layer`` (test-only fault switch) raises once that layer is compacted."""
+    with on_device(caches[0][0]):
+        return _apply_round(caches, plan, fail_after_layer)
+
+
+def _apply_round(caches, plan: RoundPlan, fail_after_layer: int | None) -> RequestLayout:
     layout, prev = plan.layout, plan.prev
     h = layout.num_kv_heads
     for layer, ((kc, vc), lp) in enumerate(zip(caches, plan.layers)):

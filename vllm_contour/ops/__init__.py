@@ -9,8 +9,9 @@
 * ``torch`` — the reference (always).
 
 Moment storage (``store_moments`` / ``load_moments``: MomentKV statistics kept in the request's own
-head-pages, so they are bytes of vLLM's pool) goes through the same dispatch; it is written through the
-logical key/value views, so it works on every layout the views express.
+head-pages, so they are bytes of vLLM's pool), ``clear_pages`` and ``copy_blocks`` go through the same
+dispatch; they are written through the logical key/value views, so they work on every layout the views
+express.
 
 Choose explicitly with ``impl=...`` or, for debugging, ``VLLM_CONTOUR_OPS_IMPL=torch``.
 """
@@ -22,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from .paged import copy_blocks_ref
 from .reference import (accumulate_moments_ref, compact_ref, dense_attention_ref, load_moments_ref,
                         ragged_decode_attention_ref, store_moments_ref)
 
@@ -32,6 +34,7 @@ _IMPLS: dict[str, list[tuple[str, Callable, Callable[..., bool]]]] = {
     "ragged_decode_attention": [],
     "store_moments": [],
     "load_moments": [],
+    "copy_blocks": [],
 }
 
 
@@ -51,6 +54,7 @@ register_impl("accumulate_moments", "torch", accumulate_moments_ref, lambda dev,
 register_impl("ragged_decode_attention", "torch", ragged_decode_attention_ref, lambda dev, **kw: True)
 register_impl("store_moments", "torch", store_moments_ref, lambda dev, **kw: True)
 register_impl("load_moments", "torch", load_moments_ref, lambda dev, **kw: True)
+register_impl("copy_blocks", "torch", copy_blocks_ref, lambda dev, **kw: True)
 
 _TRITON_TRIED = False
 
@@ -69,15 +73,15 @@ def _load_triton() -> None:
 
 
 def available(op: str, device_type: str = "cpu", **kw) -> list[str]:
-    if device_type == "cuda":
+    if device_type == "cuda" or os.environ.get("VLLM_CONTOUR_OPS_IMPL") == "triton":
         _load_triton()
     return [name for name, _, ok in _IMPLS[op] if ok(device_type, **kw)]
 
 
 def _pick(op: str, impl: str | None, device_type: str, **kw) -> Callable:
-    if device_type == "cuda":
-        _load_triton()
     impl = impl or os.environ.get("VLLM_CONTOUR_OPS_IMPL") or None
+    if device_type == "cuda" or impl == "triton":
+        _load_triton()
     for name, fn, ok in _IMPLS[op]:
         if impl is not None and name != impl:
             continue
@@ -125,10 +129,21 @@ def load_moments(key_cache, value_cache, page_ids, num_heads: int, head_dim: int
     return fn(key_cache, value_cache, page_ids, num_heads, head_dim)
 
 
+def copy_blocks(caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]],
+                impl: str | None = None) -> None:
+    """Copy whole blocks ``src -> dst`` in every layer's key and value cache (every head's page)."""
+    if not pairs:
+        return
+    fn = _pick("copy_blocks", impl, caches[0][0].device.type, key_cache=caches[0][0])
+    fn(caches, pairs)
+
+
 def implementations(device_type: str = "cpu") -> dict[str, str]:
     """The implementation each op would use now (what the engine logs and exports at start-up)."""
     out = {}
     forced = os.environ.get("VLLM_CONTOUR_OPS_IMPL") or None
+    if device_type == "cuda" or forced == "triton":
+        _load_triton()
     for op, lst in _IMPLS.items():
         names = [n for n, _, ok in lst if ok(device_type)]
         out[op] = forced if forced in names else (names[0] if names else "none")
@@ -136,15 +151,21 @@ def implementations(device_type: str = "cpu") -> dict[str, str]:
 
 
 def ragged_decode_attention(query, key_cache, value_cache, page_table, seq_lens, scale, moments=None,
-                            impl: str | None = None, need_lse: bool = False, **extra):
+                            impl: str | None = None, need_lse: bool = False, out=None, **extra):
     """Returns ``(out, lse)``; implementations without a log-sum-exp return ``lse=None`` and are only
     picked when ``need_lse`` is False. ``extra`` keywords (e.g. ``native=True``: the caches are views of
     vLLM's own CPU cache, which its kernel may read) go to the ``supports`` checks and the implementation.
     ``moments`` (dict ``n [T, H]``, ``sum_k``/``sum_v [T, H, D]``, ``sum_vk [T, H, D, D]``) mixes in the
-    evicted part as ``vllm_contour.moments.merge_evicted`` defines."""
+    evicted part as ``vllm_contour.moments.merge_evicted`` defines. ``out`` (``[T, Hq, D]``, e.g. a view of
+    the attention layer's output rows): the result is written there (in place where the implementation
+    can, else copied)."""
     fn = _pick("ragged_decode_attention", impl, key_cache.device.type, moments=moments is not None,
                need_lse=need_lse, key_cache=key_cache, value_cache=value_cache, **extra)
-    return fn(query, key_cache, value_cache, page_table, seq_lens, scale, moments=moments, **extra)
+    o, lse = fn(query, key_cache, value_cache, page_table, seq_lens, scale, moments=moments, out=out, **extra)
+    if out is not None and o.data_ptr() != out.data_ptr():
+        out.copy_(o)
+        o = out
+    return o, lse
 
 
 # Optional implementations register themselves on import (the later registration ranks first).
@@ -154,7 +175,6 @@ except ImportError:
     pass
 
 from . import cpu_ext as _cpu_ext  # noqa: E402,F401  (registers "cpp" when vllm_contour._C imports)
-from .paged import copy_blocks  # noqa: E402
 
 
 # Ranking on CPU: "cpp" (registered last) before "vllm_cpu" before "torch". The C++ kernel measured

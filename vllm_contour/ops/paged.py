@@ -50,13 +50,14 @@ def set_pages(c: torch.Tensor, blk, lane, x: torch.Tensor) -> None:
     c[blk, lane] = x.reshape(*x.shape[:-2], *c.shape[2:])
 
 
-def copy_blocks(caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+def copy_blocks_ref(caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
     """Copy whole blocks ``src -> dst`` in every layer's key and value cache (any page layout: dim 0 is the
     block, which holds every head's page)."""
     if not pairs:
         return
-    src = torch.tensor([s for s, _ in pairs], dtype=torch.int64)
-    dst = torch.tensor([d for _, d in pairs], dtype=torch.int64)
+    dev = caches[0][0].device
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=dev)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=dev)
     for k, v in caches:
         k[dst] = k[src]
         v[dst] = v[src]

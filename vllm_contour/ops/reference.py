@@ -60,7 +60,7 @@ def ragged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, va
     v = pages(value_cache, blk, lane).to(torch.float32).reshape(t, h, p * bs, d)
     q = query.to(torch.float32).reshape(t, h, g, d)
     logits = torch.einsum("thgd,thnd->thgn", q, k) * scale
-    valid = torch.arange(p * bs).view(1, 1, -1) < seq_lens.to(torch.int64).unsqueeze(-1)  # [T, H, N]
+    valid = torch.arange(p * bs, device=k.device).view(1, 1, -1) < seq_lens.to(k.device, torch.int64).unsqueeze(-1)  # [T, H, N]
     logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [T, H, G]
     # an empty list (seq_len 0) gives out = 0, lse = -inf (not NaN)
@@ -86,6 +86,7 @@ def accumulate_moments_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, p
     k = rows(key_cache, blk, lane, off).to(torch.float32)  # [M, D]
     v = rows(value_cache, blk, lane, off).to(torch.float32)
     hd = head_of_token.reshape(-1).to(torch.int64)
+    hd = hd.to(moments["n"].device)
     moments["n"].index_add_(0, hd, torch.ones(hd.numel(), dtype=moments["n"].dtype, device=hd.device))
     moments["sum_k"].index_add_(0, hd, k.to(moments["sum_k"].dtype))
     moments["sum_v"].index_add_(0, hd, v.to(moments["sum_v"].dtype))
@@ -126,20 +127,37 @@ def _page_elems(key_cache: torch.Tensor, value_cache: torch.Tensor, page_ids: to
     return torch.cat([k.flatten(-2), v.flatten(-2)], dim=-1)
 
 
+def moment_page_rows(packed: torch.Tensor, num_pages: int, block_size: int, head_dim: int,
+                     elem_size: int) -> torch.Tensor:
+    """One layer's packed fp32 moments as the raw page contents ``[M, 2, bs, D]`` (cache-width integers,
+    zero-padded): page i's keys in logical ``[bs, D]`` order, then its values."""
+    it = _INT_OF[elem_size]
+    per_page = 2 * block_size * head_dim
+    raw = packed.to(torch.float32).contiguous().view(torch.int32).view(it).reshape(-1)
+    if raw.numel() > num_pages * per_page:
+        raise ValueError(f"moments need {raw.numel()} elements, {num_pages} pages hold {num_pages * per_page}")
+    buf = torch.zeros(num_pages * per_page, dtype=it, device=packed.device)
+    buf[: raw.numel()] = raw
+    return buf.view(num_pages, 2, block_size, head_dim)
+
+
+def moments_of_page_rows(raw: torch.Tensor, num_heads: int, head_dim: int, elem_size: int) -> dict:
+    """Inverse of ``moment_page_rows`` with leading dims: ``raw [..., M, 2, bs, D]`` -> moments ``[..., H]``."""
+    from vllm_contour.moments import packed_len, unpack
+
+    flat = raw.reshape(*raw.shape[:-4], -1).contiguous()
+    n_el = packed_len(num_heads, head_dim) * 4 // elem_size
+    vals = flat[..., :n_el].contiguous().view(torch.int32)
+    return unpack(vals.view(torch.float32), num_heads, head_dim)
+
+
 def store_moments_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, page_ids: torch.Tensor,
                       packed: torch.Tensor) -> None:
     """Write one layer's packed fp32 moments (``moments.pack``) into head-pages ``page_ids [M]``, as raw
     bits through the logical key/value views (layout-independent)."""
     _, h, bs, d = dims(key_cache)
     it = _INT_OF[key_cache.element_size()]
-    per_page = 2 * bs * d
-    m = page_ids.numel()
-    raw = packed.to(torch.float32).contiguous().view(torch.int32).view(it).reshape(-1)
-    if raw.numel() > m * per_page:
-        raise ValueError(f"moments need {raw.numel()} elements, {m} pages hold {m * per_page}")
-    buf = torch.zeros(m * per_page, dtype=it)
-    buf[: raw.numel()] = raw
-    buf = buf.view(m, 2, bs, d)
+    buf = moment_page_rows(packed.to(key_cache.device), page_ids.numel(), bs, d, key_cache.element_size())
     blk, lane = _split(page_ids.reshape(-1), h)
     set_pages(key_cache.view(it), blk, lane, buf[:, 0])
     set_pages(value_cache.view(it), blk, lane, buf[:, 1])
@@ -149,11 +167,7 @@ def load_moments_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, page_id
                      num_heads: int, head_dim: int) -> dict:
     """Read what ``store_moments`` wrote: ``page_ids [..., M]`` -> dict of fp32 moments with leading dims
     ``[..., H]`` (``moments.unpack``)."""
-    from vllm_contour.moments import packed_len, unpack
-
-    raw = _page_elems(key_cache, value_cache, page_ids.to(torch.int64))  # [..., M, E]
-    lead = page_ids.shape[:-1]
-    flat = raw.reshape(*lead, -1).contiguous()
-    n_el = packed_len(num_heads, head_dim) * 4 // key_cache.element_size()
-    vals = flat[..., :n_el].contiguous().view(torch.int32)
-    return unpack(vals.view(torch.float32), num_heads, head_dim)
+    _, _, bs, d = dims(key_cache)
+    raw = _page_elems(key_cache, value_cache, page_ids.to(torch.int64))  # [..., M, 2*bs*D]
+    return moments_of_page_rows(raw.view(*raw.shape[:-1], 2, bs, d), num_heads, head_dim,
+                                key_cache.element_size())

@@ -118,7 +118,7 @@ class LayerInputs:
         """``[H]`` int64 candidate pages of each head."""
         if self.head_pages is None:
             return torch.full((self.num_kv_heads,), self.num_region_pages, dtype=torch.int64)
-        return self.head_pages.to(torch.int64).cpu()
+        return self.head_pages.to(torch.int64)
 
     def candidate_mask(self) -> torch.Tensor:
         """``[H, region_len]`` bool: True where a head has a candidate (False = padding)."""

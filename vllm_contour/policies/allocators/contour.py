@@ -18,8 +18,8 @@ def score_mass(scores: torch.Tensor, power: float = 1.0, valid: torch.Tensor | N
     order is kept; attention-like (non-negative) rows are used as they are. ``power`` tempers the
     distribution (< 1 flattens, > 1 sharpens) before normalisation. An all-zero row becomes uniform.
     ``valid`` (``[H, N]`` bool) marks the candidates; the rest (padding) gets mass 0."""
-    s = scores.detach().to(torch.float64).cpu()
-    ok = torch.ones_like(s, dtype=torch.bool) if valid is None else valid.to(torch.bool).cpu()
+    s = scores.detach().to(torch.float64)
+    ok = torch.ones_like(s, dtype=torch.bool) if valid is None else valid.to(s.device, torch.bool)
     finite = torch.isfinite(s) & ok
     big = torch.finfo(torch.float64).max
     row_min = torch.where(finite, s, torch.full_like(s, big)).min(dim=1, keepdim=True).values
@@ -42,7 +42,7 @@ def mass_curve(mass: torch.Tensor, forced: torch.Tensor | None, page_size: int,
     ``[N]`` or ``[H, N]``; ``caps`` (``[H]``) the heads' candidate pages (default: all ``N``). Entry ``c``
     is only meaningful once ``c * page_size`` covers the forced tokens and ``c <= caps[h]``."""
     h, n = mass.shape
-    f = torch.zeros(n, dtype=torch.bool) if forced is None else forced.to(torch.bool).cpu()
+    f = torch.zeros(n, dtype=torch.bool, device=mass.device) if forced is None else forced.to(mass.device, torch.bool)
     f = f.expand(h, n) if f.dim() == 1 else f
     n_valid = (torch.full((h,), n, dtype=torch.int64) if caps is None
                else (caps.to(torch.int64) * page_size).clamp_max(n))

@@ -24,7 +24,7 @@ def window_queries(inp: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
     w = q.shape[1]
     ce = inp.context_end
     if inp.query_positions is not None:
-        pos = inp.query_positions.to(torch.int64).reshape(-1).cpu()
+        pos = inp.query_positions.to(q.device, torch.int64).reshape(-1)
         if pos.numel() != w:
             raise ValueError(f"query_positions has {pos.numel()} entries for {w} window queries")
     else:
