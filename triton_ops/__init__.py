@@ -145,13 +145,8 @@ def num_segments(rows: int, kv_heads: int, max_tokens: int, block_n: int, dev: t
     return max(1, min(16, triton.cdiv(2 * sms, progs), max_tokens // (2 * block_n)))
 
 
-def ragged_decode_attention(query, key_cache, value_cache, page_table, seq_lens, scale, moments=None,
-                            block_n: int | None = None, segments: int | None = None, out=None,
-                            native_dot: bool | None = None, **_):
-    """Decode attention over ragged per-head page lists; returns ``(out [T, Hq, D], lse [T, Hq] fp32)``
-    (``out``: written in place when given, any float dtype; else a new tensor in the query dtype). See
-    ``vllm_contour.ops.reference.ragged_decode_attention_ref``. ``segments`` (default: ``num_segments``
-    from the table's width, a host-side bound, so nothing waits for the device) splits each list."""
+def _attention(query, key_cache, value_cache, table, lens, scale, moments, block_n, segments, out, native_dot,
+               max_tokens: int, two_part=None):
     t, hq, d = query.shape
     nb, h, bs, _ = key_cache.shape
     g = hq // h
@@ -162,35 +157,68 @@ def ragged_decode_attention(query, key_cache, value_cache, page_table, seq_lens,
     if t == 0:
         return out, lse
     block_g, block_d = _p2(g, 16), _p2(d, 16)
-    block_n = block_n or (bs if bs in (16, 32, 64) else 32)
+    block_n = block_n or (bs if bs in (16, 32, 64, 128) else 16)
     block_e = max(1, min(block_d, 4096 // (block_g * block_d)))
     if moments is not None:
         mom = [_f32_contig(moments[k].to(dev)) for k in ("n", "sum_k", "sum_v", "sum_vk")]
     else:
         mom = [lse] * 4  # unused
-    pt = page_table.to(dev)
-    pt = pt if pt.dtype in (torch.int32, torch.int64) else pt.to(torch.int64)
-    sl = seq_lens.to(dev)
-    s = segments or num_segments(t, h, pt.shape[2] * bs, block_n, dev)
+    s = segments or num_segments(t, h, max_tokens, block_n, dev)
     native_dot = dev.type == "cuda" and key_cache.dtype in (torch.bfloat16, torch.float16) if native_dot is None \
         else native_dot
     split = s > 1
     seg_acc = torch.empty((t * hq * s, d), dtype=torch.float32, device=dev) if split else lse
     seg_ml = torch.empty((t * hq * s, 2), dtype=torch.float32, device=dev) if split else lse
     o_strides = (out.stride(0), out.stride(1))
+    if two_part is None:
+        tp_ptrs, tp_strides = [lens] * 6, (0, 0, 0, 0)
+        sl_strides = lens.stride()
+    else:
+        slot, row, pos, count, region, bt = two_part
+        tp_ptrs, tp_strides = [slot, row, pos, count, region, bt], (*count.stride(), *bt.stride())
+        lens, sl_strides = slot, (0, 0)
     kernels.ragged_decode_kernel[(t * h, s)](
-        query, key_cache, value_cache, pt, sl, out, lse, *mom, seg_acc, seg_ml,
+        query, key_cache, value_cache, table, lens, out, lse, *mom, seg_acc, seg_ml, *tp_ptrs,
         h, g, d, bs, float(scale), *query.stride(), *key_cache.stride(), *value_cache.stride(),
-        *pt.stride(), *sl.stride(), *o_strides,
+        *table.stride(), *sl_strides, *o_strides, *tp_strides,
         HAS_MOMENTS=moments is not None, SPLIT=split, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_E=block_e, DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
-        NATIVE_DOT=native_dot, ONE_PAGE=block_n == bs)
+        NATIVE_DOT=native_dot, ONE_PAGE=block_n == bs, TWO_PART=two_part is not None)
     if split:
         kernels.ragged_reduce_kernel[(t * h,)](
-            query, out, lse, *mom, seg_acc, seg_ml, h, g, d, s, float(scale), *query.stride(), *o_strides,
-            HAS_MOMENTS=moments is not None, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_E=block_e)
+            query, out, lse, *mom, seg_acc, seg_ml, tp_ptrs[0], h, g, d, s, float(scale), *query.stride(),
+            *o_strides, HAS_MOMENTS=moments is not None, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_E=block_e,
+            TWO_PART=two_part is not None)
     return out, lse
 
 
+def ragged_decode_attention(query, key_cache, value_cache, page_table, seq_lens, scale, moments=None,
+                            block_n: int | None = None, segments: int | None = None, out=None,
+                            native_dot: bool | None = None, **_):
+    """Decode attention over ragged per-head page lists; returns ``(out [T, Hq, D], lse [T, Hq] fp32)``
+    (``out``: written in place when given, any float dtype; else a new tensor in the query dtype). See
+    ``vllm_contour.ops.reference.ragged_decode_attention_ref``. ``segments`` (default: ``num_segments``
+    from the table's width, a host-side bound, so nothing waits for the device) splits each list."""
+    dev = query.device
+    pt = page_table.to(dev)
+    pt = pt if pt.dtype in (torch.int32, torch.int64) else pt.to(torch.int64)
+    return _attention(query, key_cache, value_cache, pt, seq_lens.to(dev), scale, moments, block_n, segments, out,
+                      native_dot, pt.shape[2] * key_cache.shape[2])
+
+
+def compacted_attention(query, key_cache, value_cache, token_slot, token_row, token_pos, run_pages, run_count,
+                        region, block_table, scale, max_tokens: int, moments=None, out=None,
+                        block_n: int | None = None, segments: int | None = None, native_dot: bool | None = None):
+    """Attention of every token of a step whose request is compacted (``token_slot[t] >= 0``; the other
+    tokens' output rows are left as they are): token t reads its slot's kept run (``run_pages [S, H, P]``,
+    ``run_count [S, H]`` pages) and then its request's blocks from ``region[slot]`` on in vLLM's block table
+    (``block_table [B, W]``, its row ``token_row[t]``), up to its own position ``token_pos[t]``. Moments are
+    per slot (``[S, H, ...]``). Returns ``(out [T, Hq, D], lse [T, Hq])``; ``max_tokens``: a host bound of
+    any list's length (splits short batches)."""
+    return _attention(query, key_cache, value_cache, run_pages, None, scale, moments, block_n, segments, out,
+                      native_dot, max_tokens,
+                      two_part=(token_slot, token_row, token_pos, run_count, region, block_table))
+
+
 __all__ = ["compact", "gather_rows", "scatter_rows", "page_rows", "set_page_rows", "accumulate_moments",
-           "ragged_decode_attention", "num_segments", "kernels"]
+           "ragged_decode_attention", "compacted_attention", "num_segments", "kernels"]

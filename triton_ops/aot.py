@@ -57,19 +57,24 @@ def kernel_specs(dtype: str = "bf16", head_dim: int = 64, group: int = 3):
     block_e = max(1, min(bd, 4096 // (bg * bd)))
     f32 = {k: "*fp32" for k in ("lse_ptr", "n_ptr", "sk_ptr", "sv_ptr", "svk_ptr", "seg_acc_ptr", "seg_ml_ptr")}
     kern = kernels.ragged_decode_kernel
-    for has in (False, True):
-        for split in (False, True):
-            ce = {"HAS_MOMENTS": has, "SPLIT": split, "BLOCK_G": bg, "BLOCK_N": block_n, "BLOCK_D": bd,
-                  "BLOCK_E": block_e, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
-                  "NATIVE_DOT": dtype != "fp32", "ONE_PAGE": True}
-            types = {"q_ptr": cache, "k_ptr": cache, "v_ptr": cache, "pt_ptr": "*i32", "sl_ptr": "*i32",
-                     "out_ptr": cache, "scale": "fp32", **f32}
-            specs.append((f"{kern.__name__}[moments={has},split={split}]", kern, _sig(kern, types, ce), ce))
+    lists = {"tslot_ptr": "*i32", "trow_ptr": "*i64", "tpos_ptr": "*i32", "rc_ptr": "*i32", "reg_ptr": "*i32",
+             "bt_ptr": "*i32"}
+    for two_part in (False, True):
+        for has in (False, True):
+            for split in (False, True):
+                ce = {"HAS_MOMENTS": has, "SPLIT": split, "BLOCK_G": bg, "BLOCK_N": block_n, "BLOCK_D": bd,
+                      "BLOCK_E": block_e, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
+                      "NATIVE_DOT": dtype != "fp32", "ONE_PAGE": True, "TWO_PART": two_part}
+                types = {"q_ptr": cache, "k_ptr": cache, "v_ptr": cache, "pt_ptr": "*i32", "sl_ptr": "*i32",
+                         "out_ptr": cache, "scale": "fp32", **f32, **lists}
+                specs.append((f"{kern.__name__}[two_part={two_part},moments={has},split={split}]", kern,
+                              _sig(kern, types, ce), ce))
     kern = kernels.ragged_reduce_kernel
-    for has in (False, True):
-        ce = {"HAS_MOMENTS": has, "BLOCK_G": bg, "BLOCK_D": bd, "BLOCK_E": block_e}
-        types = {"q_ptr": cache, "out_ptr": cache, "scale": "fp32", **f32}
-        specs.append((f"{kern.__name__}[moments={has}]", kern, _sig(kern, types, ce), ce))
+    for two_part in (False, True):
+        for has in (False, True):
+            ce = {"HAS_MOMENTS": has, "BLOCK_G": bg, "BLOCK_D": bd, "BLOCK_E": block_e, "TWO_PART": two_part}
+            types = {"q_ptr": cache, "out_ptr": cache, "scale": "fp32", "tslot_ptr": "*i32", **f32}
+            specs.append((f"{kern.__name__}[two_part={two_part},moments={has}]", kern, _sig(kern, types, ce), ce))
     return specs
 
 

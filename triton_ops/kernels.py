@@ -93,7 +93,7 @@ def accumulate_moments_kernel(k_ptr, v_ptr, page_ptr, off_ptr, order_ptr, seg_pt
 
 
 @triton.jit
-def _finish_row(acc, m_i, l_i, q, q_base, qrow, qs1, qs2, gm, ds, dm, th, n_ptr, sk_ptr, sv_ptr, svk_ptr,
+def _finish_row(acc, m_i, l_i, q, q_base, qrow, qs1, qs2, gm, ds, dm, mom_i, n_ptr, sk_ptr, sv_ptr, svk_ptr,
                 D, scale, HAS_MOMENTS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_E: tl.constexpr):
     """Normalise one (row, KV head)'s online-softmax state and mix in the evicted part's moments
@@ -102,9 +102,9 @@ def _finish_row(acc, m_i, l_i, q, q_base, qrow, qs1, qs2, gm, ds, dm, th, n_ptr,
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     if HAS_MOMENTS:
-        cnt = tl.load(n_ptr + th)
+        cnt = tl.load(n_ptr + mom_i)
         cnt_c = tl.maximum(cnt, 1.0)
-        mom = th.to(tl.int64) * D
+        mom = mom_i.to(tl.int64) * D
         sk = tl.load(sk_ptr + mom + ds, mask=dm, other=0.0)
         sv = tl.load(sv_ptr + mom + ds, mask=dm, other=0.0)
         mu_q = tl.sum(q * sk[None, :], axis=1) / cnt_c  # scale * q . mu   [BLOCK_G]
@@ -144,28 +144,62 @@ def _load_q(q_ptr, t, h, G, D, scale, qs0, qs1, qs2, BLOCK_G: tl.constexpr, BLOC
 
 
 @triton.jit
+def _list_of(t, h, H, BS, sl_ptr, sls0, sls1, pt_ptr, pts0, pts1, tslot_ptr, trow_ptr, tpos_ptr, rc_ptr, rcs0, rcs1,
+             reg_ptr, bt_ptr, bts0, TWO_PART: tl.constexpr):
+    """Where row t's list for KV head h is: ``(live, L, table base, run pages, E, block-table row, moment
+    index)``. A per-row table (``pt [T, H, P]``, lengths ``sl [T, H]``), or TWO_PART: token t of a compacted
+    request in slot ``tslot[t]`` (-1: not one, nothing written) reads that slot's kept run (``pt [S, H, P]``,
+    ``rc [S, H]`` pages) and then its blocks from ``E = reg[slot]`` on in vLLM's block table (``bt [B, W]``,
+    row ``trow[t]``), up to its own position ``tpos[t]``."""
+    if TWO_PART:
+        slot = tl.load(tslot_ptr + t)
+        live = slot >= 0
+        sc = tl.maximum(slot, 0).to(tl.int64)
+        rc = tl.load(rc_ptr + sc * rcs0 + h * rcs1)
+        e = tl.load(reg_ptr + sc)
+        pos = tl.load(tpos_ptr + t)
+        L = tl.where(live, rc * BS + pos + 1 - e * BS, 0)
+        base = pt_ptr + sc * pts0 + h * pts1
+        bt_base = bt_ptr + tl.load(trow_ptr + t).to(tl.int64) * bts0
+        mom_i = sc * H + h
+    else:
+        live = t * 0 == 0  # every row
+        L = tl.load(sl_ptr + t.to(tl.int64) * sls0 + h * sls1).to(tl.int32)
+        base = pt_ptr + t.to(tl.int64) * pts0 + h * pts1
+        rc = L
+        e = 0
+        bt_base = bt_ptr
+        mom_i = t.to(tl.int64) * H + h
+    return live, L, base, rc, e, bt_base, mom_i
+
+
+@triton.jit
 def ragged_decode_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, sl_ptr, out_ptr, lse_ptr,
                          n_ptr, sk_ptr, sv_ptr, svk_ptr, seg_acc_ptr, seg_ml_ptr,
+                         tslot_ptr, trow_ptr, tpos_ptr, rc_ptr, reg_ptr, bt_ptr,
                          H, G, D, BS, scale,
                          qs0, qs1, qs2, ks0, ks1, ks2, ks3, vs0, vs1, vs2, vs3, pts0, pts1, pts2, sls0, sls1,
-                         os0, os1,
+                         os0, os1, rcs0, rcs1, bts0, bts1,
                          HAS_MOMENTS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr, ONE_PAGE: tl.constexpr):
-    """Program (row t, KV head h, segment s): online softmax over the s-th slice of the head's page list in
-    chunks of ``BLOCK_N`` tokens (``ONE_PAGE``: a chunk is one page, else every token looks up its page),
-    the ``G`` query heads of the group at once (``tl.dot``, the group padded to ``BLOCK_G >= 16`` rows).
-    Dots: ``NATIVE_DOT`` (16-bit caches on a GPU) in the cache dtype with fp32 accumulation, like vLLM's
-    kernel; else fp32 operands at ``DOT_PRECISION`` ("ieee" for fp32 caches; the interpreter's path). With ``SPLIT``
-    (``S = grid[1]`` segments) each program writes its partial state ``(acc, m, l)`` to the segment scratch
-    and ``ragged_reduce_kernel`` merges them; otherwise it finishes the row itself. ``out [T, Hq, D]``
-    (strides ``os0``, ``os1``; any float dtype) / ``lse [T, Hq]`` fp32; moments contiguous fp32
-    ``[T, H, ...]``."""
+                         DOT_PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr, ONE_PAGE: tl.constexpr,
+                         TWO_PART: tl.constexpr):
+    """Program (row t, KV head h, segment s): online softmax over the s-th slice of the head's page list
+    (``_list_of``) in chunks of ``BLOCK_N`` tokens (``ONE_PAGE``: a chunk is one page, else every token looks
+    up its page), the ``G`` query heads of the group at once (``tl.dot``, the group padded to
+    ``BLOCK_G >= 16`` rows). Dots: ``NATIVE_DOT`` (16-bit caches on a GPU) in the cache dtype with fp32
+    accumulation, like vLLM's kernel; else fp32 operands at ``DOT_PRECISION`` ("ieee" for fp32 caches; the
+    interpreter's path). With ``SPLIT`` (``S = grid[1]`` segments) each program writes its partial state
+    ``(acc, m, l)`` to the segment scratch and ``ragged_reduce_kernel`` merges them; otherwise it finishes
+    the row itself. ``out [T, Hq, D]`` (strides ``os0``, ``os1``; any float dtype) / ``lse [T, Hq]`` fp32;
+    moments contiguous fp32 ``[T or S, H, ...]``."""
     th = tl.program_id(0)
     s = tl.program_id(1)
     t = th // H
     h = th % H
-    L = tl.load(sl_ptr + t.to(tl.int64) * sls0 + h * sls1).to(tl.int32)
+    live, L, pt_base, rc, e, bt_base, mom_i = _list_of(t, h, H, BS, sl_ptr, sls0, sls1, pt_ptr, pts0, pts1,
+                                                      tslot_ptr, trow_ptr, tpos_ptr, rc_ptr, rcs0, rcs1,
+                                                      reg_ptr, bt_ptr, bts0, TWO_PART)
     q, q_base, qrow, gs, gm, ds, dm = _load_q(q_ptr, t, h, G, D, scale, qs0, qs1, qs2, BLOCK_G, BLOCK_D)
     if SPLIT:
         n_seg = tl.num_programs(1)
@@ -178,16 +212,28 @@ def ragged_decode_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, sl_ptr, out_ptr, lse_ptr,
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    pt_base = pt_ptr + t.to(tl.int64) * pts0 + h * pts1
     q_dot = q.to(k_ptr.dtype.element_ty) if NATIVE_DOT else q
     for i0 in range(lo, hi, BLOCK_N):
         js = i0 + tl.arange(0, BLOCK_N)
         jm = js < hi
         off = (js % BS).to(tl.int64)
         if ONE_PAGE:  # chunks are whole pages (BLOCK_N == BS, segments page-aligned): one page id per chunk
-            page = tl.load(pt_base + (i0 // BS).to(tl.int64) * pts2).to(tl.int64)
+            pi = (i0 // BS).to(tl.int64)
+            if TWO_PART:  # the kept run, then the dense tail's block in vLLM's table (lane = head)
+                in_run = pi < rc
+                page = tl.where(in_run, tl.load(pt_base + pi * pts2, mask=in_run, other=0).to(tl.int64),
+                                tl.load(bt_base + (e + pi - rc) * bts1, mask=pi >= rc, other=0).to(tl.int64) * H + h)
+            else:
+                page = tl.load(pt_base + pi * pts2).to(tl.int64)
         else:  # a chunk may span pages: every token looks up its page
-            page = tl.load(pt_base + (js // BS).to(tl.int64) * pts2, mask=jm, other=0).to(tl.int64)
+            pi = (js // BS).to(tl.int64)
+            if TWO_PART:
+                in_run = pi < rc
+                page = tl.where(in_run, tl.load(pt_base + pi * pts2, mask=jm & in_run, other=0).to(tl.int64),
+                                tl.load(bt_base + (e + pi - rc) * bts1, mask=jm & (pi >= rc), other=0).to(tl.int64)
+                                * H + h)
+            else:
+                page = tl.load(pt_base + pi * pts2, mask=jm, other=0).to(tl.int64)
         blk = page // H
         lane = page % H
         mk = jm[:, None] & dm[None, :]
@@ -210,31 +256,40 @@ def ragged_decode_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, sl_ptr, out_ptr, lse_ptr,
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         m_i = m_new
     orow = th.to(tl.int64) * G + gs  # = t * Hq + query head
+    wm = gm & (tl.zeros([BLOCK_G], tl.int32) + live.to(tl.int32) > 0)
     if SPLIT:
         n_seg = tl.num_programs(1)
         srow = orow * n_seg + s
-        tl.store(seg_acc_ptr + srow[:, None] * D + ds[None, :], acc, mask=gm[:, None] & dm[None, :])
-        tl.store(seg_ml_ptr + srow * 2, m_i, mask=gm)
-        tl.store(seg_ml_ptr + srow * 2 + 1, l_i, mask=gm)
+        tl.store(seg_acc_ptr + srow[:, None] * D + ds[None, :], acc, mask=wm[:, None] & dm[None, :])
+        tl.store(seg_ml_ptr + srow * 2, m_i, mask=wm)
+        tl.store(seg_ml_ptr + srow * 2 + 1, l_i, mask=wm)
     else:
-        out, lse = _finish_row(acc, m_i, l_i, q, q_base, qrow, qs1, qs2, gm, ds, dm, th, n_ptr, sk_ptr, sv_ptr,
+        out, lse = _finish_row(acc, m_i, l_i, q, q_base, qrow, qs1, qs2, gm, ds, dm, mom_i, n_ptr, sk_ptr, sv_ptr,
                                svk_ptr, D, scale, HAS_MOMENTS, BLOCK_G, BLOCK_D, BLOCK_E)
         o_ptr = out_ptr + t.to(tl.int64) * os0 + qrow.to(tl.int64)[:, None] * os1 + ds[None, :]
-        tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
-        tl.store(lse_ptr + orow, lse, mask=gm)
+        tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=wm[:, None] & dm[None, :])
+        tl.store(lse_ptr + orow, lse, mask=wm)
 
 
 @triton.jit
 def ragged_reduce_kernel(q_ptr, out_ptr, lse_ptr, n_ptr, sk_ptr, sv_ptr, svk_ptr, seg_acc_ptr, seg_ml_ptr,
-                         H, G, D, S, scale, qs0, qs1, qs2, os0, os1,
+                         tslot_ptr, H, G, D, S, scale, qs0, qs1, qs2, os0, os1,
                          HAS_MOMENTS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_E: tl.constexpr):
+                         BLOCK_E: tl.constexpr, TWO_PART: tl.constexpr):
     """Program (row t, KV head h): merge the ``S`` segments' partial softmax states of the group's query
     heads, then finish the row (moments, log-sum-exp) like the unsplit kernel."""
     th = tl.program_id(0)
     t = th // H
     h = th % H
+    if TWO_PART:
+        slot = tl.load(tslot_ptr + t)
+        live = slot >= 0
+        mom_i = tl.maximum(slot, 0).to(tl.int64) * H + h
+    else:
+        live = t * 0 == 0
+        mom_i = th.to(tl.int64)
     q, q_base, qrow, gs, gm, ds, dm = _load_q(q_ptr, t, h, G, D, scale, qs0, qs1, qs2, BLOCK_G, BLOCK_D)
+    gm = gm & (tl.zeros([BLOCK_G], tl.int32) + live.to(tl.int32) > 0)
     orow = th.to(tl.int64) * G + gs
     m_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     for s in range(0, S):
@@ -249,7 +304,7 @@ def ragged_reduce_kernel(q_ptr, out_ptr, lse_ptr, n_ptr, sk_ptr, sv_ptr, svk_ptr
         l_i += w * tl.load(seg_ml_ptr + srow * 2 + 1, mask=gm, other=0.0)
         acc += w[:, None] * tl.load(seg_acc_ptr + srow[:, None] * D + ds[None, :], mask=gm[:, None] & dm[None, :],
                                     other=0.0)
-    out, lse = _finish_row(acc, m_max, l_i, q, q_base, qrow, qs1, qs2, gm, ds, dm, th, n_ptr, sk_ptr, sv_ptr,
+    out, lse = _finish_row(acc, m_max, l_i, q, q_base, qrow, qs1, qs2, gm, ds, dm, mom_i, n_ptr, sk_ptr, sv_ptr,
                            svk_ptr, D, scale, HAS_MOMENTS, BLOCK_G, BLOCK_D, BLOCK_E)
     o_ptr = out_ptr + t.to(tl.int64) * os0 + qrow.to(tl.int64)[:, None] * os1 + ds[None, :]
     tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])

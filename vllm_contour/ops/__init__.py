@@ -35,6 +35,7 @@ _IMPLS: dict[str, list[tuple[str, Callable, Callable[..., bool]]]] = {
     "store_moments": [],
     "load_moments": [],
     "copy_blocks": [],
+    "compacted_attention": [],
 }
 
 
@@ -136,6 +137,43 @@ def copy_blocks(caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tup
         return
     fn = _pick("copy_blocks", impl, caches[0][0].device.type, key_cache=caches[0][0])
     fn(caches, pairs)
+
+
+def _compacted_by_tables(query, key_cache, value_cache, rows, layer: int, scale, moments=None, out=None,
+                         inner: str | None = None, **extra):
+    """The compacted rows through per-token page tables (expanded once per step) and
+    ``ragged_decode_attention`` (``inner``: its implementation), results written into ``out``."""
+    exp = rows.tables_for_cpu()
+    if exp is None:
+        return out
+    tok, idx, table, lens = exp
+    mom = None if moments is None else {k: v[idx] for k, v in moments.items()}
+    o, _ = ragged_decode_attention(query[tok], key_cache, value_cache, table[layer], lens[layer], scale,
+                                   moments=mom, impl=inner, **extra)
+    out[tok] = o.to(out.dtype)
+    return out
+
+
+register_impl("compacted_attention", "tables", _compacted_by_tables, lambda dev, **kw: True)
+
+
+def compacted_attention(query, key_cache, value_cache, rows, layer: int, scale, moments=None, out=None,
+                        impl: str | None = None, **extra):
+    """Attention of every token of a step whose request is compacted (``page_tables.StepRows``), written
+    into ``out`` (``[T, Hq, D]``, e.g. the layer's output rows); other tokens' rows are left as they are.
+    Token t reads its request's kept run (layer ``layer``) and then its dense tail up to its own position.
+    ``moments`` are per request of the step (``[n, H, ...]``). Implementations: ``triton`` reads the
+    two-part lists directly (CUDA); ``tables`` expands per-token tables and calls
+    ``ragged_decode_attention`` (``impl`` other than these two names is passed on to it)."""
+    forced = impl or os.environ.get("VLLM_CONTOUR_OPS_IMPL") or None
+    own = forced if forced in ("triton", "tables") else None
+    dev = query.device.type
+    own = own or available("compacted_attention", dev, forced=forced)[0]
+    fn = _pick("compacted_attention", own, dev, forced=forced)
+    if fn is _compacted_by_tables:
+        inner = None if forced in (None, "triton", "tables") else forced
+        return fn(query, key_cache, value_cache, rows, layer, scale, moments=moments, out=out, inner=inner, **extra)
+    return fn(query, key_cache, value_cache, rows, layer, scale, moments=moments, out=out)
 
 
 def implementations(device_type: str = "cpu") -> dict[str, str]:

@@ -50,7 +50,21 @@ def copy_blocks(caches, pairs) -> None:
         triton_ops.compact(kc, vc, sp, off, dp, off)
 
 
+def compacted_attention(query, key_cache, value_cache, rows, layer: int, scale, moments=None, out=None):
+    o, _ = triton_ops.compacted_attention(
+        query, key_cache, value_cache, rows.token_req, rows.token_row, rows.token_pos, rows.run_pages[:, layer],
+        rows.run_count[:, layer], rows.region, rows.block_table, scale, rows.max_seq_len, moments=moments, out=out)
+    return o
+
+
+def _two_part(dev: str, forced: str | None = None, **kw) -> bool:
+    """CUDA; CPU tensors under the interpreter only when asked for by name (on CPU the C++ kernels, through
+    per-token tables, are the default)."""
+    return dev == "cuda" or (_INTERPRET and dev == "cpu" and forced == "triton")
+
+
 register_impl("compact", "triton", triton_ops.compact, _cuda)
+register_impl("compacted_attention", "triton", compacted_attention, _two_part)
 register_impl("accumulate_moments", "triton", triton_ops.accumulate_moments, _cuda)
 register_impl("ragged_decode_attention", "triton", triton_ops.ragged_decode_attention, _cuda)
 register_impl("store_moments", "triton", store_moments, _cuda)

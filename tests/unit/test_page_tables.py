@@ -1,0 +1,139 @@
+"""Page tables kept as state (``vllm_contour.page_tables``) equal tables built fresh from each request's
+layout and block table, after random sequences of rounds, new tail blocks, preemptions, finishes and
+block reuse; the step's row matching and capture staging are tensor ops over the batch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from vllm_contour.page_tables import PageTables, RowError
+
+from .page_table_cases import Req, batch_tensors, expected_tables, key_of, make_request, random_layout
+
+L, H, BS, NB = 3, 2, 16, 400
+
+
+def _check_step(pt: PageTables, reqs: list[Req], captures=()):
+    qsl, seq, bt = batch_tensors(reqs, width=16)
+    keys = {r.req_id: key_of(r, BS) for r in reqs}
+    compacted = pt.set_keys(keys, list(captures))
+    rows, cap = pt.step(compacted, qsl, seq, bt, len(reqs), int(qsl[-1]), int(seq.max()))
+    want = expected_tables(reqs, BS)
+    assert sorted(compacted) == sorted({r for _, r, _, _ in want})
+    if not want:
+        assert rows is None or rows.tables_for_cpu() is None
+        return rows, cap
+    tok, idx, table, lens = rows.tables_for_cpu()
+    assert tok.tolist() == [t for t, _, _, _ in want]
+    for i, (t, req_id, w_table, w_lens) in enumerate(want):
+        assert rows.req_ids[int(idx[i])] == req_id
+        assert torch.equal(lens[:, i], w_lens), (req_id, t)
+        for layer in range(L):
+            for h in range(H):
+                n_pages = (int(w_lens[layer, h]) + BS - 1) // BS
+                assert torch.equal(table[layer, i, h, :n_pages], w_table[layer, h, :n_pages]), (req_id, layer, h)
+    stock = rows.stock_seq_lens(seq)
+    for i, r in enumerate(reqs):
+        assert int(stock[i]) == (r.q_len if r.layout is not None else r.num_computed + r.q_len)
+    return rows, cap
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_incremental_tables_equal_fresh_ones_over_random_events(seed):
+    rnd = random.Random(seed)
+    free = list(range(1, NB))
+    rnd.shuffle(free)
+    pt = PageTables(L, H, BS, NB, capacity=2, width=1)  # small: rounds and new requests must grow it
+    live: list[Req] = []
+    n = 0
+    for step in range(40):
+        ev = rnd.random()
+        if ev < 0.3 or not live:  # a new request, compacted (first round) or ordinary
+            r = make_request(rnd, f"r{n}", free, L, H, BS, compacted=rnd.random() < 0.6,
+                             moments=rnd.choice([0, 0, 2]))
+            n += 1
+            if r.layout is not None:
+                pt.put(r.req_id, r.layout)
+            live.append(r)
+        elif ev < 0.45:  # finish or preemption: state dropped, blocks back to the pool (reused later)
+            r = live.pop(rnd.randrange(len(live)))
+            pt.drop(r.req_id)
+            free[:0] = [b for b in r.blocks if b]
+        elif ev < 0.6:  # a decode round on a compacted request: its kept blocks and full tail blocks are
+            cands = [r for r in live if r.layout is not None and r.num_computed // BS > r.layout.region_blocks]
+            if cands:  # the targets; the new layout keeps the first of them, the rest go back to the pool
+                r = rnd.choice(cands)
+                e_old, e_new = r.layout.region_blocks, r.num_computed // BS
+                targets = list(r.layout.block_ids) + r.blocks[e_old:e_new]
+                r.layout = random_layout(rnd, L, H, BS, targets, e_new, moments=rnd.choice([0, 1]))
+                kept = r.layout.block_ids
+                free[:0] = [b for b in targets if b not in kept]
+                r.blocks = kept + [0] * (e_new - len(kept)) + r.blocks[e_new:]
+                pt.put(r.req_id, r.layout)
+        # every live request computes its tokens; a new tail block when it crosses a page boundary
+        sched = [r for r in live if rnd.random() < 0.8]
+        rnd.shuffle(sched)
+        if sched:
+            _check_step(pt, sched)
+        for r in sched:
+            r.num_computed += r.q_len
+            r.q_len = rnd.randint(1, 3)
+            while len(r.blocks) * BS < r.num_computed + r.q_len:
+                r.blocks.append(free.pop())
+
+
+def test_a_reused_key_block_does_not_route_an_ordinary_row():
+    """Last step's key of a compacted request that finished is now an ordinary request's key block, while
+    another compacted request took the finished one's slot."""
+    rnd = random.Random(1)
+    free = list(range(1, NB))
+    pt = PageTables(L, H, BS, NB, capacity=1)
+    a = make_request(rnd, "a", free, L, H, BS, compacted=True)
+    pt.put("a", a.layout)
+    _check_step(pt, [a])
+    pt.drop("a")
+    c = make_request(rnd, "c", free, L, H, BS, compacted=True)
+    assert pt.put("c", c.layout) == 0  # a's slot
+    b = Req("b", [key_of(a, BS)], 3, 1)  # a's key block, now b's
+    rows, _ = _check_step(pt, [b, c])
+    assert rows.row_req.tolist() == [-1, 0] and rows.req_ids == ["c"]
+
+
+def test_new_tokens_inside_the_compacted_region_fail_that_request_alone():
+    rnd = random.Random(2)
+    free = list(range(1, NB))
+    pt = PageTables(L, H, BS, NB)
+    a = make_request(rnd, "a", free, L, H, BS, compacted=True)
+    pt.put("a", a.layout)
+    a.num_computed = a.layout.region_blocks * BS - 2  # (a scheduler bug)
+    a.blocks[a.num_computed // BS] = 77
+    qsl, seq, bt = batch_tensors([a], 16)
+    reqs = pt.set_keys({"a": 77}, [])
+    rows, _ = pt.step(reqs, qsl, seq, bt, 1, int(qsl[-1]), int(seq.max()))
+    with pytest.raises(RowError) as e:
+        rows.tables_for_cpu()
+    assert e.value.req_ids == ["a"]
+
+
+def test_capture_staging_rows():
+    """Window tokens of the requests with captures land at their offset in the staging rows, in position
+    order; every other token of the batch goes to the spare row ``total``."""
+    rnd = random.Random(3)
+    free = list(range(1, NB))
+    pt = PageTables(L, H, BS, NB)
+    reqs = [make_request(rnd, f"r{i}", free, L, H, BS, compacted=False) for i in range(4)]
+    for r in reqs:
+        r.q_len = 6
+        while len(r.blocks) * BS < r.num_computed + r.q_len:
+            r.blocks.append(free.pop())
+    c0 = (reqs[1].req_id, key_of(reqs[1], BS), reqs[1].num_computed + 2, reqs[1].num_computed + 6)
+    c1 = (reqs[3].req_id, key_of(reqs[3], BS), reqs[3].num_computed, reqs[3].num_computed + 3)
+    _, cap = _check_step(pt, reqs, captures=[c0, c1])
+    assert cap.total == 7 and cap.owners == [(c0[0], c0[2], 4), (c1[0], c1[2], 3)]
+    want = [7] * 24
+    want[6 + 2: 6 + 6] = [0, 1, 2, 3]
+    want[18: 21] = [4, 5, 6]
+    assert cap.dst.tolist() == want
