@@ -866,7 +866,29 @@ def run_hybrid(llm, spec, res):
                      "kv_held": {k.split("-")[0]: v for k, v in conn.totals.kv_held.items()} if conn else {}}
 
 
-SCENARIOS = {"hybrid": run_hybrid, "shared_context": run_shared_context, "greedy_none": run_greedy_none, "prefix_stream": run_prefix_stream, "streaming_input": run_streaming_input, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
+def run_compare(llm, spec, res):
+    """Token-id prompts, one case of per-request extra args at a time (``compare_cases``): each request's
+    greedy tokens and the blocks it holds in vLLM's pool after every step (read from vLLM's manager)."""
+    from vllm import SamplingParams
+
+    lengths = spec.get("compare_lengths", [40, 130, 200])
+    prompts = _prompts(500, lengths, 3)
+    out = []
+    for extra in spec.get("compare_cases", [None]):
+        sp = SamplingParams(max_tokens=spec.get("compare_max_tokens", 48), temperature=0, ignore_eos=True,
+                            extra_args=extra)
+        for i, p in enumerate(prompts):
+            llm.llm_engine.add_request(f"c{len(out)}_{i}", {"prompt_token_ids": p}, sp)
+        held: list[dict[str, int]] = []
+        toks = _drain(llm, lambda: held.append(_held(llm)))
+        out.append({"tokens": [toks[f"c{len(out)}_{i}"] for i in range(len(prompts))], "held": held})
+    res["compare"] = out
+    from vllm_contour import ops
+
+    res["ops_calls"] = {f"{op}:{impl}": n for (op, impl), n in ops.CALLS.items()}
+
+
+SCENARIOS = {"compare": run_compare, "hybrid": run_hybrid, "shared_context": run_shared_context, "greedy_none": run_greedy_none, "prefix_stream": run_prefix_stream, "streaming_input": run_streaming_input, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
              "short_moments": run_short_moments, "faults": run_faults,
              "parallel": run_parallel, "greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
              "preempt_abort": run_preempt_abort}
@@ -876,7 +898,14 @@ def main(spec_path: str, out_path: str) -> None:
     spec = json.load(open(spec_path))
     for k, v in spec.get("env", {}).items():
         os.environ[k] = str(v)
+    if spec.get("triton_on_cpu"):  # the plugin's CUDA backend run by the CPU platform (tests only)
+        from tests.integration import triton_on_cpu
+
+        triton_on_cpu.enable()
     from vllm import LLM
+
+    if spec.get("triton_on_cpu"):
+        triton_on_cpu.register()
 
     t0 = time.time()
     llm = LLM(**spec["llm"])
@@ -885,7 +914,7 @@ def main(spec_path: str, out_path: str) -> None:
     res["num_gpu_blocks"] = core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
     driver = getattr(core.model_executor, "driver_worker", None)  # None: workers in other processes (TP/PP)
     runner = driver.worker.model_runner if driver is not None else None
-    res["attn_impl"] = type(runner.attn_groups[0][0].backend).__name__ \
+    res["attn_impl"] = runner.attn_groups[0][0].backend.__name__ \
         if runner is not None and hasattr(runner, "attn_groups") else None
     res["connector"] = type(core.scheduler.connector).__name__ if core.scheduler.connector else None
     for name in spec["scenarios"]:

@@ -118,6 +118,12 @@ def test_per_request_keys_validated_in_sampling_params(parser):
         with pytest.raises(VLLMValidationError, match=word):
             SamplingParams(extra_args=bad)
 
+    # the window-query buffers are bounded by the server's window: a request may ask for less, not more
+    SamplingParams(extra_args={"kv_observation_window": 16})
+    with pytest.raises(VLLMValidationError, match="kv_observation_window 64 is larger than the server's "
+                                                  "--kv-observation-window 32"):
+        SamplingParams(extra_args={"kv_observation_window": 64})
+
     SamplingParams(extra_args={"kv_policy": "contour_diverse", "kv_policy_args": '{"lam": 0.2}'})
     with pytest.raises(VLLMValidationError, match="no knob 'lam'"):
         SamplingParams(extra_args={"kv_policy_args": '{"lam": 0.2}'})  # snapkv has no diversity selector

@@ -122,10 +122,9 @@ def prepare_engine_args(engine_args) -> EvictionConfig:
         engine_args.additional_config = ac
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu():
-            raise EvictionConfigError(
-                "--kv-eviction-policy: this build of vllm-contour evicts on vLLM's CPU backend only; "
-                f"the current platform is {current_platform.device_type}")
+        from vllm_contour.integration.platforms import platform_of
+
+        platform_of(current_platform.device_type).prepare(engine_args)
         ktc = engine_args.kv_transfer_config
         if ktc is None:
             from vllm.config import KVTransferConfig

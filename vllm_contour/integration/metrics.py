@@ -49,6 +49,8 @@ HISTOGRAMS = {
 }
 GAUGES = {
     "query_buffer_bytes": "Bytes of captured window queries held by the worker (outside vLLM's pool)",
+    "query_buffer_bound_bytes": "Most bytes the window-query buffers can take (max running requests x one "
+                                "request's buffer), counted at start-up",
     "shared_context_entries": "Shared compressed contexts in the cache",
     "shared_context_blocks": "KV blocks of vLLM's pool the shared compressed contexts hold (paid once)",
     "shared_context_requests": "Running requests that hold a shared compressed context's pages",

@@ -34,6 +34,10 @@ def _validate_request_args(extra_args) -> None:
             params = resolve_request(active, extra_args)  # knobs checked against the request's policy
             if params.enabled and engine_args.ACTIVE_SHAPE is not None:
                 request_budget(params, engine_args.ACTIVE_SHAPE, per_request=True)
+            if params.enabled and params.window > active.window:
+                raise EvictionConfigError(
+                    f"kv_observation_window {params.window} is larger than the server's --kv-observation-window "
+                    f"{active.window} (the window-query buffers are sized for it at start-up)")
         except EvictionConfigError as e:
             raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
 
@@ -60,13 +64,13 @@ def register() -> None:
     from vllm.logger import init_logger
 
     logger = init_logger("vllm.contour")
-    from vllm.platforms import current_platform
+    from vllm_contour.integration import platforms
 
-    if current_platform.is_cpu():
+    platform = platforms.current()
+    if platform is not None:  # inert with eviction off: it hands out vLLM's own builder and impl
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-        register_backend(AttentionBackendEnum.CPU_ATTN,
-                         "vllm_contour.integration.backend.ContourCPUAttentionBackend")
+        register_backend(AttentionBackendEnum[platform.backend], platform.backend_cls)
     from vllm_contour.integration.engine_args import patch_engine_args
 
     patch_engine_args()

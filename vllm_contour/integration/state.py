@@ -1,9 +1,10 @@
 """Worker-process state shared by the worker side of the connector and the attention backend.
 
 One ``WorkerState`` per worker process (module global). The worker side fills it (the step's round and
-capture items at the start of a step, the requests' layouts after a round); the metadata builder reads it
-to route compacted decode rows to the ragged op and to find the rows whose queries must be captured; the
-attention impl stages those queries during the forward.
+capture items at the start of a step, the requests' layouts after a round, mirrored into the kernel-ready
+``PageTables``); the metadata builder matches the step's batch rows to them (``PageTables.step``) and
+leaves the result in ``step``; the attention impl reads it to run the compacted rows and stage the
+captured queries.
 
 Rows are matched to requests by the block that receives the row's first new token
 (``block_table[row, first_position // block_size]``): the scheduler sends that block's id for every
@@ -22,6 +23,7 @@ import torch
 
 from vllm_contour.config import RequestEviction
 from vllm_contour.layout import RequestLayout
+from vllm_contour.page_tables import CaptureWindows, PageTables, StepRows
 
 
 @dataclass
@@ -58,8 +60,8 @@ class QueryRing:
 
     def __init__(self, window: int):
         self.window = window
-        self.queries: torch.Tensor | None = None
-        self.positions = torch.full((window,), -1, dtype=torch.int64)
+        self.queries: torch.Tensor | None = None  # on the queries' device, made at the first write
+        self.positions: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -73,15 +75,19 @@ class QueryRing:
             positions, q = positions[-self.window:], q[:, -self.window:]
         if self.queries is None:
             num_layers, _, hq, d = q.shape
-            self.queries = torch.zeros((num_layers, hq, self.window, d), dtype=q.dtype)
+            self.queries = torch.zeros((num_layers, hq, self.window, d), dtype=q.dtype, device=q.device)
+            self.positions = torch.full((self.window,), -1, dtype=torch.int64, device=q.device)
+        positions = positions.to(q.device)
         slots = positions % self.window
         self.queries[:, :, slots] = q.permute(0, 2, 1, 3)
         self.positions[slots] = positions
 
     def layer_queries(self) -> tuple[dict[int, torch.Tensor], torch.Tensor] | tuple[None, None]:
         """``({layer: [Hq, w, D]}, positions [w])`` in position order, or ``(None, None)`` when empty."""
+        if self.queries is None:
+            return None, None
         have = (self.positions >= 0).nonzero().squeeze(1)
-        if self.queries is None or have.numel() == 0:
+        if have.numel() == 0:
             return None, None
         order = have[torch.argsort(self.positions[have])]
         q = self.queries[:, :, order]
@@ -97,54 +103,52 @@ class RequestState:
 
 
 @dataclass
-class DecodeRows:
-    """Per step: the batch rows of compacted requests and, one ragged row per query token, their per-layer
-    page tables (a request's tokens share its table; each token's lengths end at its own position)."""
+class StepAttention:
+    """What the builder found for this step (read by every layer's impl): the compacted rows and the
+    captures, matched to the batch."""
 
-    rows: torch.Tensor  # [B] batch rows (requests) that are compacted
-    token_idx: torch.Tensor  # [R] query token index of each ragged row
-    req_ids: list[str]  # [R] request of each ragged row
-    page_table: torch.Tensor  # [L, R, H, P] int32 head-page ids
-    seq_lens: torch.Tensor  # [L, R, H] int32
-    moment_pages: torch.Tensor | None = None  # [L, R, M] int32 (rows without moments: any valid page)
-    has_moments: torch.Tensor | None = None  # [R] bool
-
-
-@dataclass
-class CaptureRows:
-    """Per step: the query tokens the impl stages (one index tensor for the whole batch) and whose they are."""
-
-    token_idx: torch.Tensor  # [n] query token indices in the batch
-    owners: list[tuple[str, int, int, int]]  # (req_id, offset into token_idx, n tokens, first position)
+    rows: StepRows | None
+    capture: CaptureWindows | None
 
 
 class WorkerState:
     def __init__(self) -> None:
         self.requests: dict[str, RequestState] = {}
         self.shared: dict[int, RequestLayout] = {}  # shared compressed contexts: entry id -> layout
-        self.step_keys: dict[int, str] = {}  # this step: block of a row's first new token -> request
+        self.tables: PageTables | None = None  # made when the caches are registered
+        self.step_reqs: list[str] = []  # this step's compacted requests (PageTables.set_keys)
+        self.step: StepAttention | None = None  # set by the eviction group's builder
         self.rounds_now: dict[str, RoundItem] = {}
         self.captures: dict[str, CaptureItem] = {}  # this step's capture items, by request
         self.layer_index: dict[str, int] = {}
-        # queries staged by the impl during this step's forward: layer -> [n, Hq, D]
+        # queries staged by the impl during this step's forward: layer -> [total, Hq, D]
         self.staged: dict[int, torch.Tensor] = {}
-        self.staged_rows: CaptureRows | None = None
         # requests whose output of this step is wrong (a decode op failed for their row)
         self.forward_errors: dict[str, str] = {}
 
     def drop(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
         self.rounds_now.pop(req_id, None)
+        if self.tables is not None:
+            self.tables.drop(req_id)
 
     def state_for(self, req_id: str, epoch: int | None = None) -> RequestState:
         """The request's state; a new epoch (the request started over) replaces the old state."""
         rs = self.requests.get(req_id)
         if rs is None or (epoch is not None and rs.epoch != epoch):
+            if rs is not None and self.tables is not None:
+                self.tables.drop(req_id)
             rs = self.requests[req_id] = RequestState(req_id, epoch or 0)
         return rs
 
+    def set_layout(self, req_id: str, layout: RequestLayout) -> None:
+        """A request's cache is compacted as ``layout`` (after its round, or adopting a shared context)."""
+        self.state_for(req_id).layout = layout
+        if self.tables is not None:
+            self.tables.put(req_id, layout)
+
     def compacted(self) -> list[str]:
-        """Requests whose cache is compacted (their decode rows go to the ragged op)."""
+        """Requests whose cache is compacted (their rows go to the compacted-attention op)."""
         return [r for r, rs in self.requests.items() if rs.layout is not None]
 
     def query_buffer_bytes(self) -> int:

@@ -1,0 +1,105 @@
+"""Start-up on vLLM's CUDA platform, mocked (no GPU here): ``--kv-eviction-policy`` wires vLLM's Triton
+backend and the V1 model runner, and every setting that cannot run with eviction is refused naming its flag;
+a platform without an entry is refused naming it; the CPU platform is wired as before."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from vllm_contour.config import EvictionConfigError
+
+EVICT = {"kv_eviction": {"policy": "snapkv", "budget": 128}}
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    """vLLM's current platform reports the CUDA device type; the plugin's registration runs for it."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "device_type", "cuda", raising=False)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    yield
+    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+
+
+def _args(**kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model="dummy", additional_config=dict(EVICT), **kw)
+
+
+def _prepare(ea):
+    from vllm_contour.integration.engine_args import prepare_engine_args
+
+    return prepare_engine_args(ea)
+
+
+def test_cuda_wires_the_triton_backend_the_v1_runner_the_connector_and_the_scheduler(on_cuda):
+    from vllm_contour.integration.engine_args import CONNECTOR_NAME, SCHEDULER_CLS
+
+    ea = _args()
+    _prepare(ea)
+    assert str(getattr(ea.attention_backend, "name", ea.attention_backend)) == "TRITON_ATTN"
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert ea.kv_transfer_config.kv_connector == CONNECTOR_NAME
+    assert ea.scheduler_cls == SCHEDULER_CLS and ea.block_size == 32
+    ea = _args(attention_backend="TRITON_ATTN")  # asking for it explicitly is fine
+    _prepare(ea)
+
+
+@pytest.mark.parametrize("kw, env, flag", [
+    (dict(attention_backend="FLASH_ATTN"), None, "--attention-backend FLASH_ATTN"),
+    (dict(compilation_config={"cudagraph_mode": "FULL"}), None, "--compilation-config cudagraph_mode=FULL"),
+    (dict(compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"}), None, "cudagraph_mode=FULL_AND_PIECEWISE"),
+    (dict(kv_cache_dtype="fp8"), None, "--kv-cache-dtype fp8"),
+    (dict(), "1", "VLLM_USE_V2_MODEL_RUNNER=1"),
+])
+def test_cuda_refusals_name_their_flag(on_cuda, monkeypatch, kw, env, flag):
+    if env is not None:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
+    with pytest.raises(EvictionConfigError) as e:
+        _prepare(_args(**kw))
+    assert flag in str(e.value) and "--kv-eviction-policy" in str(e.value)
+
+
+def test_piecewise_graphs_and_eviction_off_are_accepted(on_cuda):
+    _prepare(_args(compilation_config={"cudagraph_mode": "PIECEWISE"}))
+    from vllm.engine.arg_utils import EngineArgs
+
+    ea = EngineArgs(model="dummy", attention_backend="FLASH_ATTN")  # eviction off: nothing is checked or set
+    _prepare(ea)
+    assert str(getattr(ea.attention_backend, "name", ea.attention_backend)) == "FLASH_ATTN"
+
+
+def test_a_platform_without_an_entry_is_refused_naming_it(monkeypatch):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "device_type", "tpu", raising=False)
+    with pytest.raises(EvictionConfigError, match="the current platform is tpu"):
+        _prepare(_args())
+
+
+def test_the_cpu_platform_needs_nothing_more():
+    ea = _args()
+    _prepare(ea)
+    assert ea.attention_backend is None and ea.block_size == 32
+
+
+def test_each_platform_registers_its_backend_over_vllms():
+    """The table's backend classes import (vLLM's Triton backend classes import on the CPU build) and
+    subclass the vLLM backend they are registered over."""
+    import importlib
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_contour.integration.platforms import PLATFORMS
+
+    for p in PLATFORMS.values():
+        mod, cls = p.backend_cls.rsplit(".", 1)
+        ours = getattr(importlib.import_module(mod), cls)
+        theirs = AttentionBackendEnum[p.backend]
+        base_mod, base_cls = theirs.value.rsplit(".", 1) if hasattr(theirs, "value") else (None, None)
+        base = getattr(importlib.import_module(base_mod), base_cls)
+        assert issubclass(ours, base) and ours.get_name() == p.backend

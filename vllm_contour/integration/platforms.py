@@ -1,0 +1,85 @@
+"""Where eviction runs, as data: vLLM platform -> the attention backend the plugin puts over vLLM's and what
+the engine's settings must be for it. How a layer's cache is viewed as ``[B, H, bs, D]`` keys and values
+is the backend impl's own ``kv_views``; the ops pick their kernels by the tensors' device.
+
+- ``cpu``: vLLM's CPU backend (``CPU_ATTN``) with the row logic mixed in; C++ ops; page layouts probed from
+  vLLM's own cache-write op (``ops/cpu_layout.py``).
+- ``cuda``: vLLM's Triton backend (``TRITON_ATTN``: its kernel serves every ordinary row) with the same row
+  logic; Triton ops; vLLM 0.32's logical ``[blocks, H, bs, 2*head_size]`` cache, keys then values.
+A platform missing here refuses ``--kv-eviction-policy`` at start-up, naming the platform.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from vllm_contour.config import EvictionConfigError
+
+
+def _prepare_cpu(engine_args) -> None:
+    return None
+
+
+_FULL_GRAPHS = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+
+def _prepare_cuda(engine_args) -> None:
+    """vLLM's Triton backend, V1 model runner, piecewise CUDA graphs, an unquantised cache."""
+    chosen = getattr(engine_args, "attention_backend", None)
+    ac = getattr(engine_args, "attention_config", None)
+    chosen = chosen or (ac.get("backend") if isinstance(ac, dict) else getattr(ac, "backend", None))
+    name = getattr(chosen, "name", chosen)
+    if name is not None and str(name).upper() != "TRITON_ATTN":
+        raise EvictionConfigError(
+            f"--attention-backend {name} cannot be combined with --kv-eviction-policy on CUDA: eviction runs "
+            "on vLLM's Triton backend (TRITON_ATTN, set by the plugin); drop --attention-backend")
+    if name is None:
+        engine_args.attention_backend = "TRITON_ATTN"
+    cc = getattr(engine_args, "compilation_config", None)
+    mode = cc.get("cudagraph_mode") if isinstance(cc, dict) else getattr(cc, "cudagraph_mode", None)
+    mode = getattr(mode, "name", mode)
+    if mode is not None and str(mode).upper() in _FULL_GRAPHS:
+        raise EvictionConfigError(
+            f"--compilation-config cudagraph_mode={mode} cannot be combined with --kv-eviction-policy: compacted "
+            "rows change their page tables between steps, so attention runs outside CUDA graphs; use "
+            "cudagraph_mode PIECEWISE (the plugin's default) or NONE")
+    if getattr(engine_args, "kv_cache_dtype", "auto") not in (None, "auto"):
+        raise EvictionConfigError(f"--kv-cache-dtype {engine_args.kv_cache_dtype} cannot be combined with "
+                                  "--kv-eviction-policy (use auto)")
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true"):
+        raise EvictionConfigError("VLLM_USE_V2_MODEL_RUNNER=1 cannot be combined with --kv-eviction-policy: the "
+                                  "plugin runs on vLLM's V1 model runner; unset it")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # inherited by the engine processes
+
+
+@dataclass(frozen=True)
+class Platform:
+    device_type: str  # vLLM's ``current_platform.device_type``
+    backend: str  # the AttentionBackendEnum member the plugin's backend is registered over
+    backend_cls: str  # "module.Class" of the plugin's backend
+    prepare: Callable  # engine_args -> None: wire or refuse (naming the flag) what the backend needs
+
+
+PLATFORMS = {
+    "cpu": Platform("cpu", "CPU_ATTN", "vllm_contour.integration.backend.ContourCPUAttentionBackend", _prepare_cpu),
+    "cuda": Platform("cuda", "TRITON_ATTN", "vllm_contour.integration.triton_backend.ContourTritonAttentionBackend",
+                     _prepare_cuda),
+}
+
+
+def platform_of(device_type: str) -> Platform:
+    p = PLATFORMS.get(device_type)
+    if p is None:
+        raise EvictionConfigError(
+            f"--kv-eviction-policy: vllm-contour evicts on vLLM's {' and '.join(PLATFORMS)} platforms; the current "
+            f"platform is {device_type}")
+    return p
+
+
+def current() -> Platform | None:
+    """The current vLLM platform's entry (None where eviction does not run)."""
+    from vllm.platforms import current_platform
+
+    return PLATFORMS.get(current_platform.device_type)
