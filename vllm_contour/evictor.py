@@ -72,17 +72,20 @@ def on_device(t: torch.Tensor):
 def plan_round(caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], num_tokens: int,
                params: RequestEviction, budget: PageBudget, scale: float, prev: RequestLayout | None = None,
                queries: dict[int, torch.Tensor] | None = None, query_positions: torch.Tensor | None = None,
-               policy: Policy | None = None, fresh_ids: list[int] | None = None) -> RoundPlan | None:
+               policy: Policy | None = None, fresh_ids: list[int] | None = None,
+               layers: tuple[int, int] | None = None) -> RoundPlan | None:
     """Plan one round. Returns None when there is nothing to evict (every layer's candidates fit in its
     budget, or no new full block since the last round). Raises ``PlanError`` (or the policy's error) when
-    the round cannot be planned; nothing has been written then."""
+    the round cannot be planned; nothing has been written then. ``layers``: (index of ``caches[0]`` among
+    the model's layers, the model's layer count) when these caches are one pipeline stage's (policies that
+    depend on depth, e.g. PyramidKV, see the whole model); default ``(0, len(caches))``."""
     with on_device(caches[0][0]):
         return _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, queries, query_positions,
-                           policy, fresh_ids)
+                           policy, fresh_ids, layers or (0, len(caches)))
 
 
 def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, queries, query_positions, policy,
-                fresh_ids) -> RoundPlan | None:
+                fresh_ids, layers) -> RoundPlan | None:
     t0 = time.perf_counter()
     key0 = caches[0][0]
     _, h, bs, d = dims(key0)
@@ -115,10 +118,10 @@ def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, quer
     q_all = None if not queries else torch.cat([queries[layer] for layer in range(num_layers)])
     if prev is None:
         inp, src_tables, cand_pos = _first_round_inputs(caches, blocks, num_tokens, e_new, block_ids, h, scale,
-                                                        q_all, query_positions, window_end)
+                                                        q_all, query_positions, window_end, layers)
     else:
         inp, src_tables, cand_pos = _round_inputs(caches, blocks, num_tokens, prev, e_new, scale, q_all,
-                                                  query_positions, policy.accumulates)
+                                                  query_positions, policy.accumulates, layers)
     # every layer scored in one pass (scorers work per KV head), then allocated and selected per layer
     sels = policy.plan_rows(inp, [budget.token_pages] * num_layers, h)
     kept_all = [sel.kept for sel in sels]
@@ -181,7 +184,7 @@ def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, quer
 
 
 def _first_round_inputs(caches, blocks, num_tokens, e_new, block_ids, h, scale, q_all, query_positions,
-                        window_end):
+                        window_end, layers):
     """Every layer of a first round as one input: rows ``l * H + h``; every head's candidates are the full
     blocks ``[0, E)`` (the prompt's partial last block and, query-agnostic, the question are context)."""
     n_blocks = blocks.numel()
@@ -191,8 +194,8 @@ def _first_round_inputs(caches, blocks, num_tokens, e_new, block_ids, h, scale, 
     num_layers = len(caches)
     keys = keys.reshape(num_layers * h, n_blocks * bs, d)[:, :num_tokens]
     values = values.reshape(num_layers * h, n_blocks * bs, d)[:, :num_tokens]
-    inp = LayerInputs(keys=keys, values=values, region_len=e_new * bs, page_size=bs, layer_idx=0,
-                      num_layers=num_layers, scale=scale, queries=q_all, query_positions=query_positions,
+    inp = LayerInputs(keys=keys, values=values, region_len=e_new * bs, page_size=bs, layer_idx=layers[0],
+                      num_layers=layers[1], scale=scale, queries=q_all, query_positions=query_positions,
                       window_end=window_end)
     src = region_source_table(block_ids[:e_new], h)
     pos = torch.arange(e_new * bs)
@@ -200,7 +203,7 @@ def _first_round_inputs(caches, blocks, num_tokens, e_new, block_ids, h, scale, 
 
 
 def _round_inputs(caches, blocks, num_tokens, prev: RequestLayout, e_new, scale, q_all, query_positions,
-                  with_prior):
+                  with_prior, layers):
     """Every layer of a later round as one padded input (rows ``l * H + h``): head h's kept run (original
     positions) then the new full tail blocks ``[E, E2)``, padding up to the widest head, then the partial
     last block (context only, never a candidate)."""
@@ -241,8 +244,8 @@ def _round_inputs(caches, blocks, num_tokens, prev: RequestLayout, e_new, scale,
     if with_prior and prev.carry is not None:
         carry = torch.nn.functional.pad(prev.carry, (0, max(0, width * bs - prev.carry.shape[2])))[:, :, : width * bs]
         prior = torch.where(tok < run_tok, carry, torch.zeros_like(carry)).reshape(num_layers * h, width * bs)
-    inp = LayerInputs(keys=keys, values=values, region_len=width * bs, page_size=bs, layer_idx=0,
-                      num_layers=num_layers, scale=scale, queries=q_all, query_positions=query_positions,
+    inp = LayerInputs(keys=keys, values=values, region_len=width * bs, page_size=bs, layer_idx=layers[0],
+                      num_layers=layers[1], scale=scale, queries=q_all, query_positions=query_positions,
                       positions=pos.reshape(num_layers * h, -1), prior=prior,
                       head_pages=(p + n_tail).reshape(-1), valid=valid.reshape(num_layers * h, -1))
     cand_pos = [[pos[layer, hh, : int(n_cand[layer, hh])] for hh in range(h)] for layer in range(num_layers)]

@@ -419,3 +419,28 @@ def test_a_round_into_private_blocks_reads_the_originals_and_writes_only_the_pri
     for layer in range(layers):
         assert torch.equal(before[layer][0][untouched], caches[layer][0][untouched])
         assert torch.equal(before[layer][1][untouched], caches[layer][1][untouched])
+
+
+def test_pipeline_stages_plan_their_layers_as_the_whole_model_does():
+    """With pipeline parallelism each stage plans its own layers: given its place in the model (``layers``),
+    the stages' plans equal the whole model's layer by layer (PyramidKV's budgets depend on depth; without
+    the offset the second stage would plan a pyramid of its own)."""
+    num_layers, h, bs, d, hq = 4, 2, 16, 32, 4
+    _, k, v = cpu_cache(40, h, bs, d, seed=11)
+    caches = [(k[i * 10:(i + 1) * 10], v[i * 10:(i + 1) * 10]) for i in range(num_layers)]
+    params = resolve_request(EvictionConfig(policy="pyramidkv", budget=96, recent_window=8, sink_tokens=2), None)
+    pb = _budget(params, h, bs, d)
+    g = torch.Generator().manual_seed(12)
+    queries = {layer: torch.randn(hq, params.window, d, generator=g) for layer in range(num_layers)}
+    n = 10 * bs
+    qpos = torch.arange(n - params.window, n)
+    whole = plan_round(caches, list(range(10)), n, params, pb, d ** -0.5, queries=queries, query_positions=qpos)
+    stage2 = plan_round(caches[2:], list(range(10)), n, params, pb, d ** -0.5, queries={0: queries[2], 1: queries[3]},
+                        query_positions=qpos, layers=(2, num_layers))
+    alone = plan_round(caches[2:], list(range(10)), n, params, pb, d ** -0.5, queries={0: queries[2], 1: queries[3]},
+                       query_positions=qpos)
+    assert torch.equal(stage2.layout.pages, whole.layout.pages[2:])
+    for layer in range(2):
+        for hh in range(h):
+            assert torch.equal(stage2.layout.kept_positions(layer, hh), whole.layout.kept_positions(layer + 2, hh))
+    assert not torch.equal(alone.layout.pages, whole.layout.pages[2:])

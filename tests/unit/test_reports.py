@@ -27,3 +27,18 @@ def test_in_place_rounds_merge_as_before_and_disagreement_recomputes():
     assert merge_outcomes(_round([]), {"kind": "noop", "seq": 1})["kind"] == "recompute"
     r = ContourReport({"x": _round([(2, 12)], [(0, 10, 50)])}).aggregate(ContourReport({"x": _round([(2, 12)])}))
     assert r.entries["x"]["replaced"] == [(0, 10, 50)] and r.entries["x"]["freed"] == [(2, 12)]
+
+
+def test_pipeline_stages_free_a_block_only_when_every_stage_freed_it():
+    """Two pipeline stages (each of two tensor-parallel ranks) report their own layers' rounds: a stage whose
+    layers keep more pages keeps more blocks; vLLM aggregates every worker's report, and a block goes back to
+    the pool only when every stage and rank freed it."""
+    stage0 = [_round([(3, 13), (4, 14)], kept=3), _round([(3, 13), (4, 14)], kept=3)]
+    stage1 = [_round([(2, 12), (3, 13), (4, 14)], kept=2), _round([(2, 12), (3, 13), (4, 14)], kept=2)]
+    report = ContourReport({"x": stage1[0]})
+    for r in stage1[1:] + stage0:
+        report = report.aggregate(ContourReport({"x": r}))
+    assert report.entries["x"]["freed"] == [(3, 13), (4, 14)] and report.entries["x"]["kept_blocks"] == 3
+    late = ContourReport({"x": stage0[0]}).aggregate(ContourReport({"x": {"kind": "plan_failed", "seq": 1,
+                                                                             "reason": "stage 1"}}))
+    assert late.entries["x"]["kind"] == "recompute"  # stages that disagree: the request starts over
