@@ -544,6 +544,93 @@ def compaction(dev, dtype, s: dict, reps: int) -> dict:
     return {"rows": out, "timing_modes": run.modes}
 
 
+def step_rows(dev, dtype, s: dict, reps: int) -> dict:
+    """The builder's per-step work on the device (``PageTables.set_keys`` + ``step``) for a batch of
+    compacted and ordinary requests: no device synchronisation (``torch.cuda.set_sync_debug_mode``), its host
+    time, and the two-part kernel it feeds against the reference over the same step's per-token tables."""
+    import random
+
+    import triton_ops
+    from tests.unit.page_table_cases import batch_tensors, key_of, make_request
+    from vllm_contour.ops.reference import ragged_decode_attention_ref
+    from vllm_contour.page_tables import PageTables
+
+    layers, h, d, bs, hq = s["layers"], s["h"], s["d"], s["bs"], s["hq"]
+    out = {}
+    for n in s["step_requests"]:
+        rnd = random.Random(n)
+        nb = 64 * n + 64
+        free = list(range(1, nb))
+        rnd.shuffle(free)
+        reqs = [make_request(rnd, f"r{i}", free, layers, h, bs, compacted=i % 2 == 0) for i in range(2 * n)]
+        pt = PageTables(layers, h, bs, nb, device=dev)
+        for r in reqs:
+            if r.layout is not None:
+                pt.put(r.req_id, r.layout)
+        qsl, seq, bt = batch_tensors(reqs, width=16)
+        keys = {r.req_id: key_of(r, bs) for r in reqs}
+        qsl_d, seq_d, bt_d = qsl.to(dev), seq.to(dev), bt.to(dev)
+        total, max_len = int(qsl[-1]), int(seq.max())
+
+        def step():
+            reqs_step = pt.set_keys(keys, [])
+            rows, _ = pt.step(reqs_step, qsl_d, seq_d, bt_d, len(reqs), total, max_len)
+            rows.stock_seq_lens(seq_d)
+            return rows
+
+        rows = step()
+        synced = None
+        if dev.type == "cuda":  # every synchronising call, by the line of ours that made it
+            import warnings
+
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            synced = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                             if "synchroniz" in str(w.message)}) or False
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            step()
+        host_ms = (time.perf_counter() - t0) / reps * 1e3
+        # the kernel these rows feed, against the reference over the same step's per-token tables (on CPU)
+        cpu_rows = pt.step(pt.set_keys(keys, []), qsl, seq, bt, len(reqs), total, max_len)[0] if dev.type == "cpu" \
+            else _rows_to_cpu(rows)
+        tok, idx, table, lens = cpu_rows.tables_for_cpu()
+        logical, k, v = vllm_cache(nb, h, bs, d, dtype, dev, seed=n)
+        q = torch.randn(total, hq, d, device=dev).to(dtype)
+        o = torch.zeros_like(q)
+        err = 0.0
+        for layer in range(layers):
+            triton_ops.compacted_attention(q, k, v, rows.token_req, rows.token_row, rows.token_pos,
+                                           rows.run_pages[:, layer], rows.run_count[:, layer], rows.region,
+                                           rows.block_table, d ** -0.5, max_len, out=o)
+            want, _ = ragged_decode_attention_ref(q.cpu()[tok], logical.cpu()[..., :d], logical.cpu()[..., d:],
+                                                  table[layer], lens[layer], d ** -0.5)
+            err = max(err, float((o.cpu()[tok].float() - want.float()).abs().max()))
+        run = timer(dev)
+        kernel_ms = run(lambda: triton_ops.compacted_attention(
+            q, k, v, rows.token_req, rows.token_row, rows.token_pos, rows.run_pages[:, 0], rows.run_count[:, 0],
+            rows.region, rows.block_table, d ** -0.5, max_len, out=o), 1 if dev.type == "cpu" else 25)
+        out[str(n)] = {"compacted_requests": n, "batch_rows": 2 * n, "tokens": total, "synchronised": synced,
+                       "host_ms_per_step": host_ms, "kernel_max_abs_err": err, "kernel_ms_per_layer": kernel_ms}
+        print(f"[step_rows] {out[str(n)]}", flush=True)
+    tol = 2e-2 if dtype != torch.float32 else 5e-4
+    out["ok"] = all(r["synchronised"] in (False, None) and r["kernel_max_abs_err"] < tol for r in out.values())
+    return out
+
+
+def _rows_to_cpu(rows):
+    from dataclasses import fields, replace
+
+    return replace(rows, **{f.name: getattr(rows, f.name).cpu() for f in fields(rows)
+                            if isinstance(getattr(rows, f.name), torch.Tensor)}, _expanded=None)
+
+
 # ----------------------------------------------------------------------------------------------- main / plot
 def plot(json_path: Path) -> Path:
     import matplotlib
@@ -601,13 +688,14 @@ def main(argv=None):
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--dry-run needs TRITON_INTERPRET=1 set before Python starts")
         dev = torch.device("cpu")
-        s = dict(DRY, compaction=((128, 32, 2),), layers=2, tokens=192, budget=96, tail=32)
+        s = dict(DRY, compaction=((128, 32, 2),), layers=2, tokens=192, budget=96, tail=32, step_requests=(3,))
     else:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device (use --dry-run on CPU)")
         dev = torch.device("cuda")
         s = dict(hq=HQ, h=H, d=D, bs=BS, contexts=CONTEXTS, batches=BATCHES, kept=KEPT,
-                 compaction=((4096, 512, 8), (16384, 1024, 8)), layers=4, tokens=2048, budget=256, tail=64)
+                 compaction=((4096, 512, 8), (16384, 1024, 8)), layers=4, tokens=2048, budget=256, tail=64,
+                 step_requests=(16, 64))
     reps = 1 if a.dry_run else a.reps
     skip = set(filter(None, a.skip.split(",")))
     out = Path(a.out)
@@ -624,13 +712,14 @@ def main(argv=None):
     for name, fn, args in (("checks", checks, (dev, dtype, s, kern)),
                            ("checks_fp32", checks, (dev, torch.float32, s, kern)),
                            ("rounds", rounds, (dev, dtype, s)),
+                           ("step_rows", step_rows, (dev, dtype, s, 1 if a.dry_run else 200)),
                            ("decode", decode, (dev, dtype, s, kern, reps)),
                            ("compaction", compaction, (dev, dtype, s, reps))):
         if name not in skip:
             _section(res, name, fn, *args)
         (out / "gpu_kernels.json").write_text(json.dumps(stamp(res, argv), indent=1))
     print(json.dumps({k: (v.get("ok") if isinstance(v, dict) else v) for k, v in res.items()
-                      if k in ("checks", "checks_fp32", "rounds")}))
+                      if k in ("checks", "checks_fp32", "rounds", "step_rows")}))
     print(f"[gpu_kernels] wrote {out / 'gpu_kernels.json'}")
 
 

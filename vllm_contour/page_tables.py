@@ -102,6 +102,13 @@ def _expand(rows: StepRows):
             seq.permute(1, 0, 2).to(torch.int32).contiguous())
 
 
+def _on(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device``; to a GPU through pinned memory, without waiting."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 class PageTables:
     """One slot per compacted request on this worker: ``run_pages [S, L, H, P]`` (kept head-page ids),
     ``run_count [S, L, H]`` (kept pages), ``region [S]`` (``E``, the first dense block), moment pages, on
@@ -179,14 +186,14 @@ class PageTables:
         """This step's row keys (req -> key block) of the scheduled requests, and its captures ``(req, key
         block, start, end)``. Returns the compacted requests of the step, in step order."""
         dev = self.device
-        self.key_slot[self._keyed] = -1
-        self.cap_of_key[self._cap_keyed] = -1
+        self.key_slot.index_fill_(0, self._keyed, -1)  # a scalar fill: nothing copied to the device
+        self.cap_of_key.index_fill_(0, self._cap_keyed, -1)
         reqs = [r for r in keys if r in self._slot]
-        blocks = torch.tensor([keys[r] for r in reqs], dtype=torch.int64).to(dev, non_blocking=True)
-        self.key_slot[blocks] = torch.arange(len(reqs), dtype=torch.int32).to(dev)
+        blocks = _on([keys[r] for r in reqs], torch.int64, dev)
+        self.key_slot[blocks] = torch.arange(len(reqs), dtype=torch.int32, device=dev)
         self._keyed = blocks
-        cap_blocks = torch.tensor([c[1] for c in captures], dtype=torch.int64).to(dev, non_blocking=True)
-        self.cap_of_key[cap_blocks] = torch.arange(len(captures), dtype=torch.int32).to(dev)
+        cap_blocks = _on([c[1] for c in captures], torch.int64, dev)
+        self.cap_of_key[cap_blocks] = torch.arange(len(captures), dtype=torch.int32, device=dev)
         self._cap_keyed = cap_blocks
         self._captures = list(captures)
         return reqs
@@ -210,7 +217,7 @@ class PageTables:
         token_pos = first[token_row] + torch.arange(num_tokens, device=dev) - qsl[token_row]
         rows = None
         if reqs and with_rows:
-            slots = torch.tensor([self._slot[r] for r in reqs], dtype=torch.int64).to(dev)
+            slots = _on([self._slot[r] for r in reqs], torch.int64, dev)
             row_req = self.key_slot[key]
             has = self.has_moments[slots]
             rows = StepRows(reqs, self.run_pages[slots], self.run_count[slots], self.region[slots],
@@ -220,9 +227,9 @@ class PageTables:
         cap = None
         if captures:
             counts = [end - start for _, _, start, end in captures]
-            offs = torch.tensor([0] + counts[:-1], dtype=torch.int64).cumsum(0).to(dev)
-            starts = torch.tensor([c[2] for c in captures], dtype=torch.int64).to(dev)
-            ends = torch.tensor([c[3] for c in captures], dtype=torch.int64).to(dev)
+            offs = _on([0] + counts[:-1], torch.int64, dev).cumsum(0)
+            starts = _on([c[2] for c in captures], torch.int64, dev)
+            ends = _on([c[3] for c in captures], torch.int64, dev)
             total = sum(counts)
             c = self.cap_of_key[key][token_row].to(torch.int64)
             cc = c.clamp_min(0)

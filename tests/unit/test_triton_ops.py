@@ -257,7 +257,7 @@ def test_gpu_benchmark_dry_run(tmp_path):
                        env=env, cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "out" / "gpu_kernels.json").read_text())
-    for section in ("checks", "checks_fp32", "rounds"):
+    for section in ("checks", "checks_fp32", "rounds", "step_rows"):
         assert res[section].get("ok") is True, (section, res[section])
     assert res["rounds"]["moment"]["kept_blocks"] > 0 and res["rounds"]["snapkv"]["rounds"] == 2
     rows = res["decode"]["rows"]

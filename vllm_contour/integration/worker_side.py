@@ -263,7 +263,7 @@ class WorkerSide:
         for req_id, pos0, n in cap.owners:
             rs = st.requests.get(req_id)
             if rs is not None and rs.ring is not None and n > 0:
-                rs.ring.write(torch.arange(pos0, pos0 + n), stacked[:, off : off + n])
+                rs.ring.write(torch.arange(pos0, pos0 + n, device=stacked.device), stacked[:, off : off + n])
             off += n
 
     def _run_round(self, item: RoundItem) -> None:
