@@ -78,6 +78,17 @@ def bench(fns: dict, reps: int, warmup: int = 1) -> dict:
                 "cpu_ms_min": min(cpu[k])} for k in fns}
 
 
+def init_amx() -> bool | None:
+    """Ask the kernel for AMX tile state, as vLLM's CPU worker does at start-up: a process that calls vLLM's
+    AMX kernel without it dies with SIGILL. True when granted, False when refused, None when this CPU has
+    no AMX tiles."""
+    from vllm_contour.cpu_dtype import cpu_flags
+
+    if "amx_tile" not in cpu_flags():
+        return None
+    return bool(torch.cpu._init_amx())
+
+
 def make_layers(tokens: int, dtype, key_layout, seed: int = 0, spare_blocks: int = 0):
     g = torch.Generator().manual_seed(seed)
     nb = tokens // BS + spare_blocks
@@ -339,6 +350,7 @@ def main(argv=None):
     ap.add_argument("--tail", type=int, default=16, help="decoded tokens after the compacted run")
     a = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    amx_state = init_amx()
     dtype = DTYPES[a.dtype]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -372,7 +384,7 @@ def main(argv=None):
                          "threads": torch.get_num_threads(),
                          "reps": reps, "quick": a.quick, "torch": torch.__version__,
                          "cpu": platform.processor() or platform.machine(),
-                         "vllm_isa": vllm[1](dtype, BS, D) if vllm else None},
+                         "vllm_isa": vllm[1](dtype, BS, D) if vllm else None, "amx_tiles": amx_state},
               "compaction": [], "decode": [], "compacted_vs_full": []}
     for kind, n, keep in tqdm(jobs, desc="benchmarks.ops"):
         if kind == "compaction":
