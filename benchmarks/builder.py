@@ -112,6 +112,15 @@ def bench(fns: dict, reps: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def table(res: dict) -> str:
+    from benchmarks import md_table
+
+    rows = [[r["compacted_requests"], r["batch_rows"], r["incremental_ms"], r["rebuilt_ms"], r["speedup"]]
+            for r in res["rows"]]
+    return md_table(["compacted requests", "batch rows", "tables kept as state, ms", "rebuilt every step, ms",
+                     "rebuilt / kept"], rows, nd=3)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/builder")

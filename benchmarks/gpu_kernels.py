@@ -668,6 +668,41 @@ def plot(json_path: Path) -> Path:
     return png
 
 
+def table(res: dict) -> str:
+    """Markdown of a run: the checks, decode (ours vs vLLM's kernel), compaction, the builder's step."""
+    from benchmarks import md_table
+
+    e = res["env"]
+    out = [f"{e.get('name', e['device'])} (sm {'.'.join(map(str, e.get('capability', [])))}), torch {e['torch']}, "
+           f"Triton {e['triton']}; vLLM's kernel from vLLM {res.get('vllm_kernel')}.", ""]
+    ok = {k: res[k].get("ok") for k in ("checks", "checks_fp32", "rounds", "step_rows") if k in res}
+    out.append("Checks against the CPU references: " + ", ".join(f"{k} {'pass' if v else 'FAIL'}" for k, v in ok.items())
+               + ". Two rounds (snapkv; moment with correction) on the GPU keep "
+               + ("the same positions and bit-identical kept tokens as on CPU." if ok.get("rounds") else "OTHER positions."))
+    sh = res["decode"]["shape"]
+    rows = [[r["context"], r["batch"], r["kept"], r["ours_ms"] * 1e3, r["vllm_same_ms"] * 1e3,
+             r["vllm_full_ms"] * 1e3, r["ours_over_vllm_same"], r["full_over_ours"], r["ours_gbps"],
+             r.get("ours_with_moments_ms", float("nan")) * 1e3]
+            for r in res["decode"]["rows"]]
+    out += ["", f"Decode, one layer (Hq {sh['hq']}, H {sh['h']}, D {sh['d']}, block {sh['block_size']}, {sh['dtype']}); "
+            "µs per step, CUDA graphs, L2 flushed:", "",
+            md_table(["context", "batch", "kept/head", "ours µs", "vLLM same tokens µs", "vLLM full µs",
+                      "ours / vLLM same", "full / ours", "ours GB/s", "ours + moments µs"], rows, nd=2)]
+    comp = [[r["context"], r["kept"], r["batch"], r["compact_ms"] * 1e3, r["copy_ms"] * 1e3,
+             r["compact_over_copy_speed"], r["moments_gbps"]] for r in res["compaction"]["rows"]]
+    out += ["", "Compaction of one layer vs `copy_` of the same bytes; moment accumulation of the evicted tokens:", "",
+            md_table(["context", "kept/head", "batch", "compact µs", "copy_ µs", "copy_ time / compact time",
+                      "moments GB/s"], comp, nd=2)]
+    if "step_rows" in res:
+        st = [[r["compacted_requests"], r["batch_rows"], r["tokens"], "no" if r["synchronised"] is False else "YES",
+               r["host_ms_per_step"], r["kernel_ms_per_layer"] * 1e3]
+              for k, r in res["step_rows"].items() if k != "ok"]
+        out += ["", "The builder's per-step row matching on the device (`PageTables.step`) and the kernel it feeds:",
+                "", md_table(["compacted requests", "batch rows", "tokens", "waits for the GPU", "host ms / step",
+                              "kernel µs / layer"], st, nd=3)]
+    return "\n".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/gpu_kernels")

@@ -341,7 +341,20 @@ def render_shared_doc(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(out).rstrip("\n")
 
 
+def render_gpu_kernels(runs: list[tuple[str, dict]]) -> str:
+    from benchmarks.gpu_kernels import table
+
+    return "\n\n".join(f"{provenance(res, 'gpu_kernels', src)}\n\n{table(res)}" for src, res in runs)
+
+
+def render_builder(runs: list[tuple[str, dict]]) -> str:
+    from benchmarks.builder import table
+
+    return "\n\n".join(f"{provenance(res, 'builder', src)}\n\n{table(res)}" for src, res in runs)
+
+
 RENDERERS: dict[str, Callable[[list[tuple[str, dict]]], str]] = {
+    "gpu_kernels": render_gpu_kernels, "builder": render_builder,
     "passkey": render_passkey, "serving": render_serving, "audit": render_audit, "ruler": render_ruler,
     "seed_claims": render_seed_claims, "perplexity": render_perplexity, "ops": render_ops,
     "decode_rounds": render_decode_rounds, "perplexity_long": render_perplexity_long, "soak": render_soak,
