@@ -107,3 +107,37 @@ def test_the_snapshot_covers_every_knob_and_names_the_field_in_each_error():
     assert len(errors) > 100
     for key, msg in errors:
         assert key.split()[0] in msg, (key, msg)
+
+
+def test_readme_configuration_table_is_the_generated_one():
+    from vllm_contour.knobs import readme_table
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert text.count("<!-- knobs -->") == 1 and text.count("<!-- /knobs -->") == 1
+    block = text.split("<!-- knobs -->")[1].split("<!-- /knobs -->")[0]
+    assert block.strip() == readme_table(), "regenerate: python -c 'from vllm_contour.knobs import readme_table; " \
+                                            "print(readme_table())'"
+
+
+def test_everything_is_generated_from_the_one_table():
+    """Each knob of the table reaches the dataclasses, the flags, the request keys and the help, with its
+    default and minimum; nothing outside the table adds one."""
+    from vllm_contour.config import REQUEST_KEYS, RequestEviction
+    from vllm_contour.knobs import KNOBS, help_text
+
+    server = {k.field: k for k in KNOBS if k.server}
+    request = {k.request_key: k for k in KNOBS if k.request_key}
+    assert EvictionConfig.fields() == list(server)
+    assert [f.name for f in dataclasses.fields(RequestEviction)] == [k.field for k in request.values()]
+    assert REQUEST_KEYS == {key: k.field for key, k in request.items()}
+    for f in dataclasses.fields(EvictionConfig):
+        assert getattr(EvictionConfig(), f.name) == server[f.name].default
+    actions = {a.dest: a for a in _kv_actions()}
+    assert set(actions) == {k.dest for k in server.values()}
+    for k in server.values():
+        assert actions[k.dest].option_strings[0] == k.flag and help_text(k) in actions[k.dest].help
+    for key, k in request.items():
+        if k.kind == "int":
+            assert "ok" in _outcome(request_overrides, {key: k.minimum})
+            assert f"{key} must be an integer >= {k.minimum}" in _outcome(request_overrides, {key: k.minimum - 1})
+
