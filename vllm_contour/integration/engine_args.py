@@ -132,8 +132,6 @@ def _check_speculative(spec) -> None:
 
 def cache_shape_of(vllm_config):
     """Per-rank KV cache shape from vLLM's config (what the workers' caches will be)."""
-    import torch
-
     from vllm_contour.budget import CacheShape
 
     mc, cc = vllm_config.model_config, vllm_config.cache_config
@@ -141,8 +139,8 @@ def cache_shape_of(vllm_config):
     if dtype is None:
         raise EvictionConfigError(f"--kv-cache-dtype {cc.cache_dtype} cannot be combined with "
                                   "--kv-eviction-policy yet (use auto)")
-    return CacheShape(block_size=cc.block_size, num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
-                      head_dim=mc.get_head_size(), elem_size=torch.empty((), dtype=dtype).element_size())
+    return CacheShape.of(block_size=cc.block_size, num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
+                         head_dim=mc.get_head_size(), dtype=dtype)
 
 
 def check_against_cache(cfg: EvictionConfig, vllm_config) -> None:
