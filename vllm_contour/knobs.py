@@ -92,7 +92,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("policy_args", "json", "Knobs of the policy's components as a JSON object, e.g. '{\"lam\": 0.3}' "
          "(selector.lam, allocator.mix, allocator.power, scorer.kernel_size, ...; a bare name when unambiguous; "
          "unknown knobs are refused naming them); per request a JSON string", default={},
-         flag="--kv-policy-args", metavar="JSON", request_key="kv_policy_args", default_doc="none (the components' own)"),
+         flag="--kv-policy-args", metavar="JSON", request_key="kv_policy_args",
+         default_doc="none (the components' own)"),
     Knob("agnostic_mode", "choice", "With kv_context_len: 'prefill' stops the prefill at the context boundary "
          "(kvpress's protocol); 'score_only' prefills the whole prompt over the full context and only the "
          "scoring ignores the question (the earlier behaviour, kept to measure the leak)", default="prefill",
