@@ -35,7 +35,7 @@ methods, all teacher-forced:
   ``--kv-decode-interval 0``);
 - ``decode``: the plugin's decode-time rounds with interval ``T`` (``--long-intervals 64``, a list for a
   sweep): the first round once ``budget + T`` tokens are held (at the context end if that is later), then
-  every ``T`` tokens.
+  every ``T`` tokens (the plugin's own clock, ``vllm_contour.round_clock``).
 
 Each round is the engine's own ``evictor.plan_round`` / ``apply_round`` on a simulated paged cache (vLLM's
 CPU layout) holding the K/V computed so far (post-RoPE, captured from the forwards: the continuation's K/V
@@ -59,7 +59,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -470,18 +470,6 @@ def held_stats(series: list[int]) -> tuple[float, int]:
     return sum(series) / len(series), max(series)
 
 
-def next_round_at(layout, context_len: int, budget: int, interval: int, page: int, tried: bool,
-                  retry_at: int) -> int | None:
-    """Tokens with KV at which the plugin runs the request's next round (``scheduler_side._next_round``):
-    ``T > 0``: the first round once ``max(context end, budget + T)`` tokens are held, later rounds when the
-    dense tail reaches ``T`` (``E * page + T``); ``T = 0``: once, at the context end. None: no more rounds."""
-    if layout is not None:
-        return layout.region_blocks * page + interval if interval else None
-    if interval == 0:
-        return None if tried else context_len
-    return max(context_len, budget + interval, retry_at)
-
-
 class PagedRequest:
     """One request's K/V in a paged cache laid out like vLLM's CPU cache (``[blocks, H, page, 2D]``, keys
     transposed, ``ops.cpu_layout``), written densely block by block as tokens get KV; blocks a round frees
@@ -580,7 +568,7 @@ def simulate_long(model, ids: torch.Tensor, context_len: int, ctx_prefix: dict, 
     """Teacher-forced continuation ``ids[context_len:]`` under the plugin's eviction schedule.
 
     The context's K/V (``ctx_prefix``, from the dense prefill) is written into a :class:`PagedRequest`.
-    Rounds run where the plugin runs them (:func:`next_round_at`; ``interval`` 0 = once at the context
+    Rounds run where the plugin runs them (``round_clock.next_round``; ``interval`` 0 = once at the context
     end), each with ``evictor.plan_round`` / ``apply_round`` on the paged cache over the K/V computed so
     far, the window queries being the last ``window`` queries before the round. Between rounds the
     continuation goes in chunks (at most ``max_chunk`` tokens; chunk boundaries = round boundaries), each
@@ -594,6 +582,7 @@ def simulate_long(model, ids: torch.Tensor, context_len: int, ctx_prefix: dict, 
     from vllm_contour.config import EvictionConfig, resolve_request
     from vllm_contour.evictor import apply_round, plan_round
     from vllm_contour.policies import build_policy
+    from vllm_contour.round_clock import ClockState, next_round, retry_after_noop
 
     total = ids.numel()
     num_layers = len(ctx_prefix)
@@ -613,13 +602,14 @@ def simulate_long(model, ids: torch.Tensor, context_len: int, ctx_prefix: dict, 
     req = PagedRequest(num_layers, h, d, page, total)
     req.append([keys[layer][:, :context_len] for layer in range(num_layers)],
                [values[layer][:, :context_len] for layer in range(num_layers)])
-    layout, tried, retry_at = None, False, 0
+    layout = None
+    clock = ClockState(prefill_end=context_len, budget=budget, interval=interval, block_size=page)
     rounds: list[tuple[int, int, int]] = []
     chunks: list[tuple[int, int, int]] = []
     t_round = t_fwd = 0.0
     pos = context_len
     while pos < total:
-        r = next_round_at(layout, context_len, budget, interval, page, tried, retry_at)
+        r = next_round(clock)
         if r is not None and r <= pos:
             if r != pos:
                 raise AssertionError(f"round due at {r} tokens, simulation at {pos}")
@@ -628,14 +618,14 @@ def simulate_long(model, ids: torch.Tensor, context_len: int, ctx_prefix: dict, 
             qs = {layer: q[:, -w:] for layer, q in qbuf.items()}
             plan = plan_round(req.caches, req.block_ids, pos, params, pb, scale, prev=layout, queries=qs,
                               query_positions=torch.arange(pos - w, pos), policy=policy)
-            if layout is None:
-                tried = True
+            clock = replace(clock, tried=True)
             if plan is None:
                 if layout is not None:
                     raise AssertionError(f"a later round at {pos} tokens planned nothing")
-                retry_at = (retry_at or pos) + max(interval, page)  # the plugin's retry after a no-op
+                clock = replace(clock, retry_at=retry_after_noop(clock.retry_at, pos, interval, page))
             else:
                 layout = apply_round(req.caches, plan)
+                clock = replace(clock, compacted=True, region_blocks=layout.region_blocks)
                 req.free(plan.freed_slots)
                 rounds.append((pos, layout.kept_blocks, layout.region_blocks))
                 if verify:

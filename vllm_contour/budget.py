@@ -36,6 +36,12 @@ class CacheShape:
     head_dim: int
     elem_size: int  # bytes per cache element
 
+    @classmethod
+    def of(cls, *, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> "CacheShape":
+        """The one way a shape is built (vLLM's config at start-up, the KV cache group's spec, the workers'
+        caches): ``dtype`` is the cache's torch dtype."""
+        return cls(block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim, elem_size=dtype.itemsize)
+
 
 def floor_pages_for(sink_tokens: int, recent_window: int, block_size: int) -> int:
     """Pages every head keeps whatever the policy: its sinks and its recent window, in whole pages."""

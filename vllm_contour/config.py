@@ -1,4 +1,5 @@
-"""One validated eviction configuration (server default) plus per-request overrides.
+"""One validated eviction configuration (server default) plus per-request overrides; the knobs, their
+defaults and minimums come from the table in ``knobs.py``.
 
 Sources, all validated here:
 - CLI: ``--kv-eviction-policy NAME --kv-budget N --kv-recent-window W --kv-sink-tokens S ...``
@@ -10,16 +11,17 @@ Pure python: no vLLM import.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
-from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-ADDITIONAL_CONFIG_KEY = "kv_eviction"
-DEFAULT_BUDGET = 128
-# Tokens of dense tail a request may grow before the policy runs again (a multiple of the block size;
-# 0 = evict once, when the prompt ends). Chosen by the sweep in the README (round cost <= 10 % of decode).
-DEFAULT_DECODE_INTERVAL = 64
+from vllm_contour.knobs import (ADDITIONAL_CONFIG_KEY, BY_REQUEST_KEY, DEFAULT_BUDGET, DEFAULT_DECODE_INTERVAL,
+                                REQUEST_KNOBS, SERVER_KNOBS, Knob, help_text)
+
+__all__ = ["ADDITIONAL_CONFIG_KEY", "DEFAULT_BUDGET", "DEFAULT_DECODE_INTERVAL", "EvictionConfig",
+           "EvictionConfigError", "RequestEviction", "REQUEST_KEYS", "check_value", "request_overrides",
+           "resolve_request"]
 # extra_args keys that start with "kv_" but belong to vLLM itself, not to this plugin.
 VLLM_OWNED_KEYS = frozenset({"kv_transfer_params"})
 
@@ -97,42 +99,43 @@ def preset_moments(policy: str) -> bool:
     return preset(policy).moment_correction
 
 
-@dataclass(frozen=True)
-class EvictionConfig:
-    """Server-wide eviction settings.
+def check_value(knob: Knob, name: str, value: Any, policy: str | None = None) -> Any:
+    """One knob's value, validated by its kind; errors name ``name`` (the config field or the request key).
+    ``policy``: the policy a ``policy_args`` value is checked against (None: not checked yet)."""
+    if knob.kind == "policy":
+        return check_policy(name, value)
+    if knob.kind == "int":
+        return _check_int(name, value, knob.minimum)
+    if knob.kind == "bool":
+        return _check_bool(name, value)
+    if knob.kind == "json":
+        return check_policy_args(name, value, policy)
+    if value not in knob.choices:
+        raise EvictionConfigError(f"{name} must be one of {', '.join(knob.choices)}, got {value!r}")
+    return value
 
-    policy: preset name, or ``none`` (eviction off: vLLM behaves exactly as stock).
-    budget: tokens kept per KV head per layer on average (the compacted part, moment pages included),
-        rounded down to whole blocks and shared by the heads in whole head-pages.
-    decode_interval: dense tail (tokens) a request grows before the policy runs again over its kept
-        tokens plus the tail; a multiple of the block size, 0 = evict only when the prompt ends; None
-        (default) = DEFAULT_DECODE_INTERVAL rounded up to whole blocks.
-    recent_window: most recent prompt tokens every head keeps (recency floor).
-    sink_tokens: first tokens every head keeps (attention sinks).
-    window: observation window (last prompt queries) that query-aware scorers look at.
-    moment_correction: keep MomentKV statistics of the evicted tokens (stored in the request's own
-        head-pages and counted against the budget) and correct decode attention with them; None (default)
-        = what the preset's method does (on for the MomentKV presets, off otherwise).
-    policy_args: knobs of the preset's components (``vllm_contour.policies.policy_knobs``).
-    share_contexts: with prefix caching on, a request's compressed context (``kv_context_len``) is shared by
-        later requests that start with the same context and settings (default on).
-    """
 
-    policy: str = "none"
-    budget: int = DEFAULT_BUDGET
-    recent_window: int = 32
-    sink_tokens: int = 4
-    window: int = 32
-    moment_correction: bool | None = None
-    decode_interval: int | None = None
-    policy_args: dict[str, Any] = field(default_factory=dict)
-    share_contexts: bool = True
+def _field(knob: Knob) -> tuple[str, Any, Any]:
+    if isinstance(knob.default, (dict, list)):
+        spec = dataclasses.field(default_factory=lambda d=knob.default: copy.deepcopy(d))
+    else:
+        spec = dataclasses.field(default=knob.default)
+    return knob.field, knob.annotation, spec
 
+
+def _doc(title: str, knobs: tuple[Knob, ...]) -> str:
+    return title + "\n\n" + "\n".join(f"{k.field}: {help_text(k)}" for k in knobs)
+
+
+class _Enabled:
     @property
     def enabled(self) -> bool:
         return self.policy != "none"
 
-    # --- construction -------------------------------------------------------------------------
+
+class _ServerConfig(_Enabled):
+    """Construction of ``EvictionConfig`` (its fields come from ``knobs.SERVER_KNOBS``)."""
+
     @classmethod
     def fields(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
@@ -149,21 +152,14 @@ class EvictionConfig:
             raise EvictionConfigError(
                 f"{source}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
         kw: dict[str, Any] = {}
-        if "policy" in raw:
-            kw["policy"] = check_policy(f"{source}.policy", raw["policy"])
-        for name, minimum in (("budget", 1), ("recent_window", 0), ("sink_tokens", 0), ("window", 1),
-                              ("decode_interval", 0)):
-            if name in raw and not (name == "decode_interval" and raw[name] is None):
-                kw[name] = _check_int(f"{source}.{name}", raw[name], minimum)
-        for name in ("moment_correction", "share_contexts"):
-            if raw.get(name) is not None:
-                kw[name] = _check_bool(f"{source}.{name}", raw[name])
-        if raw.get("policy_args"):
-            kw["policy_args"] = check_policy_args(f"{source}.policy_args", raw["policy_args"],
-                                                  kw.get("policy", "none"))
+        for knob in SERVER_KNOBS:  # policy comes first: policy_args are checked against it
+            if knob.field in raw and not knob.unset(raw[knob.field]):
+                kw[knob.field] = check_value(knob, f"{source}.{knob.field}", raw[knob.field],
+                                             kw.get("policy", "none"))
         cfg = cls(**kw)
         if not cfg.enabled:
-            extra = sorted(k for k in raw if k not in ("policy", "share_contexts") and raw[k] not in (None, {}))
+            off_ok = {k.field for k in SERVER_KNOBS if k.allowed_when_off}
+            extra = sorted(k for k in raw if k not in off_ok and raw[k] not in (None, {}))
             if extra:
                 raise EvictionConfigError(
                     f"{source}: {', '.join(extra)} given but the eviction policy is 'none' (eviction off); "
@@ -182,77 +178,36 @@ class EvictionConfig:
         return dataclasses.asdict(self)
 
 
-# Per-request keys accepted in SamplingParams.extra_args / vllm_xargs.
-REQUEST_KEYS = {
-    "kv_policy": "policy",
-    "kv_budget": "budget",
-    "kv_recent_window": "recent_window",
-    "kv_sink_tokens": "sink_tokens",
-    "kv_moment_correction": "moment_correction",
-    "kv_decode_interval": "decode_interval",
-    "kv_observation_window": "window",
-    # component knobs as a JSON string (vLLM's vllm_xargs values are scalars), e.g. '{"lam": 0.3}'
-    "kv_policy_args": "policy_args",
-    # Query-agnostic mode: the first kv_context_len prompt tokens are context (compressed before the
-    # question is seen); the rest is the question, kept dense and never scored.
-    "kv_context_len": "context_len",
-    # "prefill" (default): the prefill stops at the context boundary, the context is compressed, the rest of
-    # the prompt is computed over the compressed cache (kvpress's protocol). "score_only": the whole prompt
-    # is prefilled over the full context and only the scoring ignores the question (the earlier behaviour,
-    # kept to measure the leak).
-    "kv_agnostic_mode": "agnostic_mode",
-}
+EvictionConfig = dataclasses.make_dataclass(
+    "EvictionConfig", [_field(k) for k in SERVER_KNOBS], bases=(_ServerConfig,), frozen=True,
+    namespace={"__module__": __name__})
+EvictionConfig.__doc__ = _doc("Server-wide eviction settings (``knobs.SERVER_KNOBS``).", SERVER_KNOBS)
 
+RequestEviction = dataclasses.make_dataclass(
+    "RequestEviction", [_field(k) for k in REQUEST_KNOBS], bases=(_Enabled,), frozen=True,
+    namespace={"__module__": __name__})
+RequestEviction.__doc__ = _doc("Effective settings for one request: the server's, overridden by the request's "
+                               "keys (``knobs.REQUEST_KNOBS``).", REQUEST_KNOBS)
 
-@dataclass(frozen=True)
-class RequestEviction:
-    """Effective settings for one request (server default + overrides)."""
-
-    policy: str
-    budget: int
-    recent_window: int
-    sink_tokens: int
-    window: int
-    moment_correction: bool = False
-    decode_interval: int | None = None
-    context_len: int | None = None
-    policy_args: dict[str, Any] = field(default_factory=dict)
-    agnostic_mode: str = "prefill"
-
-    @property
-    def enabled(self) -> bool:
-        return self.policy != "none"
-
-
-AGNOSTIC_MODES = ("prefill", "score_only")
+# Per-request keys accepted in SamplingParams.extra_args / vllm_xargs -> their field.
+REQUEST_KEYS = {k.request_key: k.field for k in REQUEST_KNOBS}
 
 
 def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
     """Validate the ``kv_*`` keys of a request's extra_args; returns {config field: value}.
     Keys not starting with ``kv_`` (and vLLM's own ``kv_transfer_params``) belong to others and are
-    ignored."""
+    ignored. ``kv_policy_args`` is checked against the request's policy by ``resolve_request``."""
     out: dict[str, Any] = {}
     if not extra_args:
         return out
     for key, value in extra_args.items():
         if not isinstance(key, str) or not key.startswith("kv_") or key in VLLM_OWNED_KEYS:
             continue
-        if key not in REQUEST_KEYS:
+        if key not in BY_REQUEST_KEY:
             raise EvictionConfigError(
-                f"unknown per-request eviction key {key!r}; allowed: {', '.join(sorted(REQUEST_KEYS))}")
-        field = REQUEST_KEYS[key]
-        if field == "policy":
-            out[field] = check_policy(key, value)
-        elif field == "moment_correction":
-            out[field] = _check_bool(key, value)
-        elif field == "policy_args":
-            out[field] = check_policy_args(key, value)
-        elif field == "agnostic_mode":
-            if value not in AGNOSTIC_MODES:
-                raise EvictionConfigError(f"{key} must be one of {', '.join(AGNOSTIC_MODES)}, got {value!r}")
-            out[field] = value
-        else:
-            out[field] = _check_int(key, value, 1 if field in ("budget", "context_len", "window") else 0)
+                f"unknown per-request eviction key {key!r}; allowed: {', '.join(sorted(BY_REQUEST_KEY))}")
+        knob = BY_REQUEST_KEY[key]
+        out[knob.field] = check_value(knob, key, value)
     return out
 
 
@@ -260,8 +215,7 @@ def resolve_request(server: EvictionConfig, extra_args: Mapping[str, Any] | None
     """Server defaults + the request's overrides. The server's knobs belong to the server's policy: a
     request that picks another policy starts from no knobs; its own ``kv_policy_args`` are checked
     against the policy it ends up with. ``moment_correction`` unset = the preset's method."""
-    kw = server.to_dict()
-    kw.pop("share_contexts")
+    kw = {f: v for f, v in server.to_dict().items() if f in REQUEST_KEYS.values()}
     over = request_overrides(extra_args)
     if over.get("policy", server.policy) != server.policy:
         kw["policy_args"] = {}

@@ -264,6 +264,12 @@ def test_soak_mixed_load_with_the_fault_switch(server):
     assert failures.get("plan", 0) + failures.get("apply", 0) > 0, failures
     contour = idle["contour"]
     assert contour.get("vllm:contour_rounds_total", 0) > 0, contour
+    # every metric the Grafana dashboard (docs/grafana/vllm-contour.json) queries is on this server's /metrics
+    from benchmarks.serving import parse_prometheus
+    from tests.grafana_dashboard import queried_metrics
+
+    exported = {n for n, _, _ in parse_prometheus(_metrics(base))}
+    assert not queried_metrics() - exported, sorted(queried_metrics() - exported)
     assert "Traceback" not in log.read_text()
 
 

@@ -3,11 +3,14 @@ random Llama built here, no download, no real text."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from benchmarks.perplexity import (STATE, capture_context, held_stats, held_tokens_per_step, match_prefill_only,
-                                   next_round_at, simulate_long, use_hook)
+                                   simulate_long, use_hook)
+from vllm_contour.round_clock import ClockState, next_round
 
 PAGE = 16
 KW = dict(page=PAGE, window=8, sink_tokens=4, recent_window=8)  # floor: 1 page per head
@@ -63,17 +66,15 @@ def test_held_accounting_is_whole_blocks_hand_example():
     assert max(s) == 7 * 32
 
 
-def test_round_schedule_is_the_plugins():
-    class L:
-        region_blocks = 10
-
-    assert next_round_at(None, 256, 128, 64, 32, False, 0) == 256  # context alone exceeds budget + T
-    assert next_round_at(None, 100, 128, 64, 32, False, 0) == 192  # budget + T
-    assert next_round_at(None, 100, 128, 64, 32, False, 224) == 224  # retry after a no-op
-    assert next_round_at(L(), 100, 128, 64, 32, True, 0) == 10 * 32 + 64
-    assert next_round_at(None, 100, 128, 0, 32, False, 0) == 100  # T = 0: once, at the context end
-    assert next_round_at(None, 100, 128, 0, 32, True, 0) is None
-    assert next_round_at(L(), 100, 128, 0, 32, True, 0) is None
+def _clock_schedule(sim, c, budget, interval) -> tuple[list[int], int | None]:
+    """Where the plugin's round clock puts each round, given the outcome (``E``) of the ones before, and
+    where it would put the one after the last (the hand-made cases are in test_round_clock.py)."""
+    s = ClockState(prefill_end=c, budget=budget, interval=interval, block_size=PAGE)
+    due = []
+    for _, _, e in sim["rounds"]:
+        due.append(next_round(s))
+        s = replace(s, tried=True, compacted=True, region_blocks=e)
+    return due, next_round(s)
 
 
 @pytest.mark.parametrize("policy,budget,interval", [("snapkv", 32, 16), ("h2o", 48, 32), ("streaming", 32, 48),
@@ -86,10 +87,9 @@ def test_rounds_keep_the_cache_within_budget_plus_interval_at_every_chunk(tiny_m
     assert sim["bound_blocks"] == bound
     rounds = sim["rounds"]
     assert rounds, "no round ran"
-    # the plugin's schedule: first round at max(context end, budget + T), later ones when the tail reaches T
-    assert rounds[0][0] == max(c, budget + interval)
-    for (r0, _, e0), (r1, _, _) in zip(rounds, rounds[1:]):
-        assert r1 == e0 * PAGE + interval
+    # the plugin's schedule: every round where its clock puts it, none left out before the end
+    due, after = _clock_schedule(sim, c, budget, interval)
+    assert [r for r, _, _ in rounds] == due and after >= total
     assert all(k <= budget // PAGE for _, k, _ in rounds)
     assert len(rounds) >= (total - rounds[0][0]) // interval - 1
     for a, b, held in sim["chunks"]:  # blocks really held in the paged cache at each chunk's end
@@ -104,6 +104,7 @@ def test_prefill_only_evicts_once_and_the_tail_grows(tiny_model):
     passage = _passage(tiny_model, c, total)
     sim, _ = _run(tiny_model, passage, c, policy_name="snapkv", budget=16, interval=0, max_chunk=64)
     assert sim["rounds"] == [(c, 1, c // PAGE)]
+    assert _clock_schedule(sim, c, 16, 0) == ([c], None)
     assert sim["held"][-1] == (1 + -(-(total - (c // PAGE) * PAGE) // PAGE)) * PAGE
 
 

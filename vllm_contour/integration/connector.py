@@ -68,8 +68,8 @@ def eviction_group(kv_cache_config: "KVCacheConfig") -> EvictionGroup:
     if any(o.kv_cache_spec.block_size != spec.block_size for o in groups):
         raise ValueError(f"kv_eviction: the KV cache groups use different block sizes "
                          f"{[o.kv_cache_spec.block_size for o in groups]}")
-    shape = CacheShape(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
-                       elem_size=torch.empty((), dtype=spec.dtype).element_size())
+    shape = CacheShape.of(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
+                          dtype=spec.dtype)
     return EvictionGroup(full[0], len(groups), tuple(g.layer_names), shape)
 
 

@@ -17,24 +17,12 @@ import copy
 import json
 
 from vllm_contour.config import ADDITIONAL_CONFIG_KEY, EvictionConfig, EvictionConfigError
+from vllm_contour.knobs import BY_FLAG_DEST, add_arguments
 
 CONNECTOR_NAME = "ContourKVConnector"
 CONNECTOR_MODULE = "vllm_contour.integration.connector"
 SCHEDULER_CLS = "vllm_contour.integration.scheduler.ContourScheduler"
 DEFAULT_EVICTION_BLOCK_SIZE = 32
-
-# flag dest -> config field
-_FLAGS = {
-    "kv_eviction_policy": "policy",
-    "kv_budget": "budget",
-    "kv_recent_window": "recent_window",
-    "kv_sink_tokens": "sink_tokens",
-    "kv_observation_window": "window",
-    "kv_moment_correction": "moment_correction",
-    "kv_decode_interval": "decode_interval",
-    "kv_policy_args": "policy_args",
-    "kv_share_contexts": "share_contexts",
-}
 
 # Server config seen in this process (API server / offline LLM); used to validate per-request keys.
 ACTIVE_CONFIG: EvictionConfig | None = None
@@ -44,51 +32,24 @@ ACTIVE_SHAPE = None
 
 
 def add_eviction_args(parser):
+    """The ``KVEviction`` flag group (``--help=KVEviction``), generated from ``knobs.KNOBS``."""
     from vllm_contour.policies import policy_help
 
     if any(getattr(a, "dest", None) == "kv_eviction_policy" for a in parser._actions):
         return parser
-    helps = "; ".join(f"{k}: {v}" for k, v in policy_help().items())
     group = parser.add_argument_group(
         title="KVEviction",
         description="Per-head KV-cache eviction after prefill; freed blocks go back to vLLM's pool. "
                     "Same keys as --additional-config '{\"kv_eviction\": {...}}'.")
-    group.add_argument("--kv-eviction-policy", dest="kv_eviction_policy", type=str, default=None,
-                       metavar="NAME", help=f"Eviction policy; 'none' = off (stock vLLM). Policies: {helps}.")
-    group.add_argument("--kv-budget", dest="kv_budget", type=str, default=None, metavar="TOKENS",
-                       help="Tokens kept per KV head per layer on average, moment pages included; whole "
-                            "blocks (default 128).")
-    group.add_argument("--kv-decode-interval", dest="kv_decode_interval", type=str, default=None, metavar="T",
-                       help="Dense tail (tokens) a request grows before the policy runs again over its kept "
-                            "tokens plus the tail; a multiple of the block size, 0 = evict only when the "
-                            "prompt ends (default 64).")
-    group.add_argument("--kv-recent-window", dest="kv_recent_window", type=str, default=None, metavar="W",
-                       help="Most recent prompt tokens every head keeps (default 32).")
-    group.add_argument("--kv-sink-tokens", dest="kv_sink_tokens", type=str, default=None, metavar="S",
-                       help="First prompt tokens every head keeps (attention sinks, default 4).")
-    group.add_argument("--kv-observation-window", dest="kv_observation_window", type=str, default=None,
-                       metavar="W", help="Last prompt queries that query-aware scorers look at (default 32).")
-    group.add_argument("--kv-moment-correction", dest="kv_moment_correction",
-                       action=argparse.BooleanOptionalAction, default=None,
-                       help="MomentKV: keep per-head moments of the evicted tokens (their pages count against "
-                            "the budget) and add the evicted part's closed-form estimate at decode; works with "
-                            "every policy (default: on for the moment presets, off otherwise).")
-    group.add_argument("--kv-share-contexts", dest="kv_share_contexts", action=argparse.BooleanOptionalAction,
-                       default=None,
-                       help="With prefix caching on: a request's compressed context (kv_context_len) is shared "
-                            "read-only by later requests with the same context and settings, which prefill "
-                            "only their own tokens (default on).")
-    group.add_argument("--kv-policy-args", dest="kv_policy_args", type=str, default=None, metavar="JSON",
-                       help="Knobs of the policy's components as a JSON object, e.g. '{\"lam\": 0.3}' "
-                            "(selector.lam, allocator.mix, allocator.power, scorer.kernel_size, ...; a bare name "
-                            "when unambiguous). Per request: kv_policy_args as a JSON string.")
+    policies = "; ".join(f"{k}: {v}" for k, v in policy_help().items())
+    add_arguments(group, {"policy": f"Policies: {policies}."})
     return parser
 
 
 def fold_cli_args(args: argparse.Namespace, additional_config) -> dict | None:
     """Merge the flags into a copy of additional_config. Conflicts with values given through
     --additional-config are refused."""
-    given = {field: getattr(args, dest) for dest, field in _FLAGS.items()
+    given = {k.field: (k.flag, getattr(args, dest)) for dest, k in BY_FLAG_DEST.items()
              if getattr(args, dest, None) is not None}
     if not given:
         return additional_config
@@ -97,8 +58,7 @@ def fold_cli_args(args: argparse.Namespace, additional_config) -> dict | None:
     if not isinstance(existing, dict):
         raise EvictionConfigError(f"{ADDITIONAL_CONFIG_KEY} must be a JSON object")
     merged = dict(existing)
-    for field, value in given.items():
-        flag = "--" + [d for d, f in _FLAGS.items() if f == field][0].replace("_", "-")
+    for field, (flag, value) in given.items():
         if field in existing and str(existing[field]).lower() != str(value).lower():
             raise EvictionConfigError(
                 f"{flag} {value} contradicts --additional-config {ADDITIONAL_CONFIG_KEY}.{field}="
@@ -171,8 +131,6 @@ def _check_speculative(spec) -> None:
 
 def cache_shape_of(vllm_config):
     """Per-rank KV cache shape from vLLM's config (what the workers' caches will be)."""
-    import torch
-
     from vllm_contour.budget import CacheShape
 
     mc, cc = vllm_config.model_config, vllm_config.cache_config
@@ -180,8 +138,8 @@ def cache_shape_of(vllm_config):
     if dtype is None:
         raise EvictionConfigError(f"--kv-cache-dtype {cc.cache_dtype} cannot be combined with "
                                   "--kv-eviction-policy yet (use auto)")
-    return CacheShape(block_size=cc.block_size, num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
-                      head_dim=mc.get_head_size(), elem_size=torch.empty((), dtype=dtype).element_size())
+    return CacheShape.of(block_size=cc.block_size, num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
+                         head_dim=mc.get_head_size(), dtype=dtype)
 
 
 def check_against_cache(cfg: EvictionConfig, vllm_config) -> None:

@@ -1,7 +1,7 @@
 """Scheduler side of eviction: when a request's round runs, which blocks go back to vLLM's pool, what a
 request holds over its life, and which requests must be recomputed or fail alone.
 
-Every step (``build_meta``), for each scheduled request that evicts:
+Every step (``build_meta``), for each scheduled request that evicts (the clock is ``round_clock.py``):
 - its next round is due when the tokens with KV after the step reach ``R``: the prompt end (or the end of
   a re-prefill) when the prompt alone passes ``budget + T``; otherwise ``budget + T`` (a short prompt is
   first compressed while it decodes); once compacted, ``E * block_size + T`` (the dense tail reached
@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
+from vllm_contour import round_clock
 from vllm_contour.budget import CacheShape, PageBudget, decode_interval_for, request_budget
 from vllm_contour.config import EvictionConfig, RequestEviction, resolve_request
 from vllm_contour.integration.metrics import ContourStats
@@ -44,6 +45,7 @@ from vllm_contour.integration.reports import ContourMetadata, ContourReport
 from vllm_contour.integration.shared_contexts import SharedContexts
 from vllm_contour.integration.state import CaptureItem, RoundItem
 from vllm_contour.policies import build_policy
+from vllm_contour.round_clock import ClockState
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -139,14 +141,11 @@ class SchedulerSide:
             t = self._track(request)
             if t.params is None or num_hit_tokens == 0:
                 return num_hit_tokens
-            limit = num_hit_tokens
-            c = self._boundary(t)
-            if c is not None:
-                limit = min(limit, c)
-            r = self._next_round(t)
-            if t.needs_queries and r is not None:
-                limit = min(limit, max(0, r - t.params.window))
-            return limit // self.block_size * self.block_size if limit < num_hit_tokens else num_hit_tokens
+            s = self._clock(t)
+            r = round_clock.next_round(s)
+            window_start = r - t.params.window if t.needs_queries and r is not None else None
+            return round_clock.usable_hit(num_hit_tokens, self.block_size, round_clock.context_boundary(s),
+                                          window_start)
         except Exception:
             return num_hit_tokens
 
@@ -257,29 +256,19 @@ class SchedulerSide:
                     d.pop(next(iter(d)))
         self._recompute.pop(request.request_id, None)
 
-    def _boundary(self, t: Tracked) -> int | None:
-        """The context boundary C where the prefill stops to compress the context (query-agnostic mode,
-        ``agnostic_mode="prefill"``), while that round is still to come; None otherwise."""
-        p = t.params
-        if p is None or not p.context_len or p.agnostic_mode != "prefill" or t.prefill_tried or t.compacted:
-            return None
-        if p.context_len >= t.prefill_end:
-            return None
-        b = t.budget
-        if b is not None and not b.evicts(b.num_kv_heads * (p.context_len // self.block_size)):
-            return None  # the context fits the budget: nothing to compress there, the prefill goes on
-        return p.context_len
+    def _clock(self, t: Tracked) -> ClockState:
+        """Where an evicting request stands, for the round clock (``round_clock.py``)."""
+        p, b, c = t.params, t.budget, t.params.context_len
+        fits = bool(c) and b is not None and not b.evicts(b.num_kv_heads * (c // self.block_size))
+        return ClockState(prefill_end=t.prefill_end, budget=p.budget, interval=t.interval,
+                          block_size=self.block_size, context_len=c, prefill_at_context=p.agnostic_mode == "prefill",
+                          context_fits=fits, tried=t.prefill_tried, compacted=t.compacted,
+                          region_blocks=t.region_blocks, retry_at=t.retry_at)
 
-    def _next_round(self, t: Tracked) -> int | None:
-        p, bs, interval = t.params, self.block_size, t.interval
-        if t.compacted:
-            return t.region_blocks * bs + interval if interval else None
-        c = self._boundary(t)
-        if c is not None:
-            return c
-        if interval == 0 or (p.context_len and not t.prefill_tried):
-            return None if t.prefill_tried else t.prefill_end
-        return max(t.prefill_end, p.budget + interval, t.retry_at)
+    def _boundary(self, t: Tracked) -> int | None:
+        """The context boundary C where the prefill stops to compress the context, while that round is
+        still to come; None otherwise (``round_clock.context_boundary``)."""
+        return None if t.params is None else round_clock.context_boundary(self._clock(t))
 
     def cap_chunk(self, request: "Request", num_computed: int, num_new: int) -> int:
         """How many of ``num_new`` tokens the request may compute this step: a prefill chunk never runs past
@@ -294,9 +283,7 @@ class SchedulerSide:
             c = self._boundary(t)
         except Exception:
             return num_new
-        if c is not None and num_computed < c < num_computed + num_new:
-            return c - num_computed
-        return num_new
+        return round_clock.cap_chunk(c, num_computed, num_new)
 
     # ------------------------------------------------------------------ every step
     def build_meta(self, scheduler_output) -> ContourMetadata:
@@ -353,15 +340,16 @@ class SchedulerSide:
         # with speculative decoding the step also computes draft tokens past the request's tokens, which the
         # sampler may reject: a round and the window it scores only ever cover verified tokens
         done = min(done, req.num_tokens)
-        r = self._next_round(t)
+        clock = self._clock(t)
+        r = round_clock.next_round(clock)
         if r is None or t.budget is None:
             return
         w = t.params.window
-        if t.needs_queries and start < r and done > r - w:
-            captures.append(CaptureItem(req.request_id, max(start, r - w), min(done, r), w))
-        boundary = self._boundary(t)
-        if done >= r and (done >= req.num_tokens or (boundary is not None and done == boundary)) \
-                and t.pending is None:
+        span = round_clock.capture_span(r, w, start, done) if t.needs_queries else None
+        if span is not None:
+            captures.append(CaptureItem(req.request_id, span[0], span[1], w))
+        boundary = round_clock.context_boundary(clock)
+        if round_clock.round_due(clock, done, req.num_tokens) and t.pending is None:
             fresh = None
             if self._shared(blocks, done):
                 n = max(1, t.budget.kept_blocks)
@@ -499,7 +487,8 @@ class SchedulerSide:
             self._release_publishing(t)
         if kind == "noop":
             if not t.compacted:
-                t.retry_at = (t.retry_at or req.num_computed_tokens) + max(t.interval, self.block_size)
+                t.retry_at = round_clock.retry_after_noop(t.retry_at, req.num_computed_tokens, t.interval,
+                                                          self.block_size)
             return
         if kind == "plan_failed":
             self._fail(req_id, "plan", out.get("reason", ""))

@@ -117,7 +117,7 @@ class WorkerSide:
         self._views = [views(kv, scramble=self.faults.scramble_layout) for _, kv in named]
         k0 = self._views[0][0]
         _, heads, bs, hd = dims(k0)
-        self._shape = CacheShape(block_size=bs, num_kv_heads=heads, head_dim=hd, elem_size=k0.element_size())
+        self._shape = CacheShape.of(block_size=bs, num_kv_heads=heads, head_dim=hd, dtype=k0.dtype)
         self._layer_scale()  # layers with different attention scales cannot share one round: stop here
         # a pipeline stage's layers are a slice of the model's: depth-dependent policies see the whole model
         # (a hybrid model's evicting layers are a subset of every stage's: they count among themselves)
