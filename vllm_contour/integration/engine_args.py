@@ -82,8 +82,10 @@ def prepare_engine_args(engine_args) -> EvictionConfig:
         engine_args.additional_config = ac
         from vllm.platforms import current_platform
 
+        from vllm_contour.integration import vllm_hooks
         from vllm_contour.integration.platforms import platform_of
 
+        vllm_hooks.require()  # a vLLM that changed where the plugin hooks in is refused, naming the hook
         platform_of(current_platform.device_type).prepare(engine_args)
         ktc = engine_args.kv_transfer_config
         if ktc is None:
@@ -155,31 +157,34 @@ def check_against_cache(cfg: EvictionConfig, vllm_config) -> None:
 
 
 def patch_engine_args() -> None:
-    from vllm.engine.arg_utils import EngineArgs
+    """The three EngineArgs hooks (``vllm_hooks``): flags on vLLM's parser, folded into additional_config,
+    eviction's settings wired when the engine config is built."""
+    from vllm_contour.integration import vllm_hooks
 
-    if getattr(EngineArgs, "_contour_patched", False):
-        return
-    orig_add = EngineArgs.add_cli_args
-    orig_from = EngineArgs.from_cli_args.__func__
-    orig_create = EngineArgs.create_engine_config
+    def make_add(orig):
+        def add_cli_args(parser):
+            return add_eviction_args(orig(parser))
 
-    def add_cli_args(parser):
-        parser = orig_add(parser)
-        return add_eviction_args(parser)
+        return staticmethod(add_cli_args)
 
-    def from_cli_args(cls, args):
-        engine_args = orig_from(cls, args)
-        engine_args.additional_config = fold_cli_args(args, engine_args.additional_config)
-        return engine_args
+    def make_from(orig):
+        def from_cli_args(cls, args):
+            engine_args = orig.__func__(cls, args)
+            engine_args.additional_config = fold_cli_args(args, engine_args.additional_config)
+            return engine_args
 
-    def create_engine_config(self, *a, **kw):
-        cfg = prepare_engine_args(self)
-        vllm_config = orig_create(self, *a, **kw)
-        if cfg.enabled:
-            check_against_cache(cfg, vllm_config)
-        return vllm_config
+        return classmethod(from_cli_args)
 
-    EngineArgs.add_cli_args = staticmethod(add_cli_args)
-    EngineArgs.from_cli_args = classmethod(from_cli_args)
-    EngineArgs.create_engine_config = create_engine_config
-    EngineArgs._contour_patched = True
+    def make_create(orig):
+        def create_engine_config(self, *a, **kw):
+            cfg = prepare_engine_args(self)
+            vllm_config = orig(self, *a, **kw)
+            if cfg.enabled:
+                check_against_cache(cfg, vllm_config)
+            return vllm_config
+
+        return create_engine_config
+
+    vllm_hooks.patch_class("vllm.engine.arg_utils:EngineArgs.add_cli_args", make_add)
+    vllm_hooks.patch_class("vllm.engine.arg_utils:EngineArgs.from_cli_args", make_from)
+    vllm_hooks.patch_class("vllm.engine.arg_utils:EngineArgs.create_engine_config", make_create)

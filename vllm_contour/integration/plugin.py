@@ -43,18 +43,16 @@ def _validate_request_args(extra_args) -> None:
 
 
 def _patch_sampling_params() -> None:
-    from vllm.sampling_params import SamplingParams
+    from vllm_contour.integration import vllm_hooks
 
-    if getattr(SamplingParams, "_contour_patched", False):
-        return
-    orig = SamplingParams._verify_extra_args
+    def make(orig):
+        def _verify_extra_args(self) -> None:
+            orig(self)
+            _validate_request_args(self.extra_args)
 
-    def _verify_extra_args(self) -> None:
-        orig(self)
-        _validate_request_args(self.extra_args)
+        return _verify_extra_args
 
-    SamplingParams._verify_extra_args = _verify_extra_args
-    SamplingParams._contour_patched = True
+    vllm_hooks.patch_class("vllm.sampling_params:SamplingParams._verify_extra_args", make)
 
 
 def register() -> None:

@@ -79,28 +79,35 @@ class SharedContexts:
     def bind(self, manager: "KVCacheManager") -> None:
         """Count blocks only entries hold as free, give them back when the pool runs out, and keep the blocks
         of requests that adopt an entry out of vLLM's prefix-cache hashing."""
+        from vllm_contour.integration import vllm_hooks
+
         self.manager = manager
         pool = manager.block_pool
-        free0, new0, alloc0 = pool.get_num_free_blocks, pool.get_new_blocks, manager.allocate_slots
+        self._free0 = pool.get_num_free_blocks
 
-        def get_num_free_blocks() -> int:
-            return free0() + self.reclaimable()
+        def free_blocks(free0):
+            return lambda: free0() + self.reclaimable()
 
-        def get_new_blocks(num_blocks: int):
-            short = num_blocks - free0()
-            if short > 0:
-                self.reclaim(short)
-            return new0(num_blocks)
+        def new_blocks(new0):
+            def get_new_blocks(num_blocks: int):
+                short = num_blocks - self._free0()
+                if short > 0:
+                    self.reclaim(short)
+                return new0(num_blocks)
 
-        def allocate_slots(request, *args, **kwargs):
-            if request.request_id in self.pending:
-                kwargs["delay_cache_blocks"] = True  # never hash KV computed over a compressed context
-            return alloc0(request, *args, **kwargs)
+            return get_new_blocks
 
-        pool.get_num_free_blocks = get_num_free_blocks
-        pool.get_new_blocks = get_new_blocks
-        manager.allocate_slots = allocate_slots
-        self._free0 = free0
+        def allocate(alloc0):
+            def allocate_slots(request, *args, **kwargs):
+                if request.request_id in self.pending:
+                    kwargs["delay_cache_blocks"] = True  # never hash KV computed over a compressed context
+                return alloc0(request, *args, **kwargs)
+
+            return allocate_slots
+
+        vllm_hooks.wrap_instance(pool, "vllm.v1.core.block_pool:BlockPool.get_num_free_blocks", free_blocks)
+        vllm_hooks.wrap_instance(pool, "vllm.v1.core.block_pool:BlockPool.get_new_blocks", new_blocks)
+        vllm_hooks.wrap_instance(manager, "vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots", allocate)
 
     def pool_free_blocks(self) -> int:
         """vLLM's own count of blocks in its free queue (entries' blocks not included)."""
