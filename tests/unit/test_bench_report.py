@@ -162,3 +162,18 @@ def test_reasoning_block_says_which_task_qualifies():
     md = report.render_reasoning([("x.json", res)])
     assert "| a | 12/30 | 12/30 | 30/30 | 320 | 20/30 | yes |" in md
     assert "| b | 3/30 | 3/30 | 30/30 | 320 | 20/30 | no |" in md and "| c | 12/30 | 12/30 | 30/30 | 320 | 2/30 | no |" in md
+
+
+def test_committed_results_are_rendered_from_their_committed_json():
+    """docs/results.md's blocks whose JSON is committed under docs/results/ are what the report renders
+    from it (a stale table or a missing JSON fails)."""
+    import re
+    from pathlib import Path
+
+    from benchmarks.report import main
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "results.md").read_text()
+    committed = sorted({m.group(1) for m in re.finditer(r"<!-- results:([a-z_/0-9]+) docs/results/", text)})
+    assert {"gpu_kernels", "builder"} <= set(committed)
+    assert main(["--readme", str(root / "docs" / "results.md"), "--check", "--only", *committed]) == 0

@@ -11,8 +11,8 @@ run without captured queries. Every preset ignores the question tokens (those at
 in query-agnostic mode.
 
 ContourKV scorer choice. ``contour`` uses SnapKV window scores for both the head allocation and the ranking
-(the mass signal the allocation is built on). On the small default model (SmolLM2-135M,
-../shared/notes/anchors.md) key norm ranks needles far better than window attention, so ``contour_knorm``
+(the mass signal the allocation is built on). On the small default model (SmolLM2-135M; the passkey table in
+docs/results.md) key norm ranks needles far better than window attention, so ``contour_knorm``
 keeps the mass-based allocation (window attention decides HOW MANY pages a head gets) but ranks tokens
 inside each head by key norm (WHICH tokens it keeps).
 """
