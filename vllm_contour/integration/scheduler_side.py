@@ -584,7 +584,18 @@ class SchedulerSide:
                                               "is finished with an error", req_id, reason)
 
     def take_stats(self) -> ContourStats | None:
-        if self._stats.is_empty():
+        """This step's stats (vLLM asks after the step's outputs were processed), with the blocks requests
+        hold read from vLLM's own free queue (its ``get_num_free_blocks`` counts blocks only shared compressed
+        contexts hold as free): sent every step, so an idle server's gauge is fresh."""
+        try:
+            if self.manager is not None:
+                pool = self.manager.block_pool
+                used = pool.num_gpu_blocks - 1 - pool.free_block_queue.num_free_blocks
+                only_shared = self.shared.reclaimable() if self.shared.entries else 0
+                self._stats.data["g:pool_request_blocks"] = used - only_shared
+        except Exception:  # never into vLLM
+            pass
+        if not self._stats.data:
             return None
         out, self._stats = self._stats, ContourStats()
         return out
