@@ -520,7 +520,7 @@ def run(args, save: Callable[[dict], None] | None = None, engine=None) -> dict:
     if args.versus is not None and args.versus not in cands:
         raise SystemExit(f"--versus {args.versus!r} is not one of --methods")
     res = {"task": "recall", "model": args.model, "dtype": args.dtype, "baseline": args.baseline,
-           "versus": args.versus, "splits": split, "context": args.context, "generated": args.generated,
+           "versus": args.versus, "split_by": "cluster", "splits": split, "context": args.context, "generated": args.generated,
            "dev": {}, "holdout": {}, "tuned": {}, "matched": {}, "match": {}, "confirm": {}}
     earlier = _resumable(args, split)
     res["reused"] = []
@@ -594,8 +594,8 @@ def summary_markdown(res: dict) -> str:
     n_dev = sum(v == "dev" for v in res["splits"].values())
     n_hold = sum(v == "holdout" for v in res["splits"].values())
     lines = [f"recall: {res['context']}-token passages, {res['generated']} tokens to reproduce; dev {n_dev} / "
-             f"holdout {n_hold} samples (MD5 split by play); cells: coverage (measured mean KV tokens per head)",
-             ""]
+             f"holdout {n_hold} samples ({'MD5 split by play' if res.get('split_by') == 'cluster' else 'MD5 split'}); "
+             "cells: coverage (measured mean KV tokens per head)", ""]
     budgets = sorted({int(k.rsplit("@", 1)[1]) for k in res["dev"] if k != "full"})
     full = {sp: _mean(res[sp]["full"], "coverage") for sp in ("dev", "holdout") if "full" in res[sp]}
     rows = [["full cache"] + [f"{full.get('dev', float('nan')):.3f}"] * len(budgets)]

@@ -373,6 +373,8 @@ def test_run_splits_by_play_matches_the_holdout_means_and_corrects_over_every_te
         clusters.setdefault(sid.split("/")[1], set()).add(side)
     assert all(len(sides) == 1 for sides in clusters.values()), clusters
     assert {next(iter(s)) for s in clusters.values()} == {"dev", "holdout"}
+    assert "(MD5 split by play)" in protocol.summary_markdown(res)
+    assert "(MD5 split)" in protocol.summary_markdown(dict(res, split_by=None))  # an earlier run's JSON
     assert set(res["matched"]) == {"150.0", "200.0"}
     for target, matched in res["matched"].items():
         assert len(set(matched.values())) == 3, matched  # the matching moved the budgets apart
