@@ -458,9 +458,9 @@ def test_prefix_caching_on_gives_the_tokens_of_prefix_caching_off(evicting, pref
     assert on["evicted_requests"] == off["evicted_requests"] == len(on["tokens"])
     assert on["private_blocks"] > 0 and off["private_blocks"] == 0
     # nothing left, read from vLLM's own free queue (cached-but-unreferenced blocks are in it): before
-    # reset_prefix_cache only the shared compressed contexts' blocks are missing from it (k0's context on the
-    # prefix-caching engine), after it none
-    assert on["entry_blocks"] > 0 and off["entry_blocks"] == 0
+    # reset_prefix_cache only the blocks of shared compressed contexts still in the cache (k0's, unless the small
+    # pool took them back) are missing from it, after it none
+    assert off["entry_blocks"] == 0
     for res in (on, off):
         assert res["free_before_reset"] + res["entry_blocks"] == res["num_blocks"] - 1
         assert res["free_end"] == res["num_blocks"] - 1
