@@ -298,10 +298,11 @@ def run_presets(llm, spec, res):
         budget = spec.get("moment_budget", 128) if preset_moments(name) else 96
         variants.append((name, {"kv_policy": name, "kv_budget": budget}))
         variants.append((name + "/agnostic", {"kv_policy": name, "kv_budget": budget, "kv_context_len": len(ctx)}))
-    for name in spec.get("moment_presets", ["snapkv", "knorm"]):  # T = 0: the ~310-token prompt is shorter than
-        # budget 256 + the default T, so a decode round would come only after the 6 tokens: evict at its end
-        variants.append((name + "/moments", {"kv_policy": name, "kv_budget": 256, "kv_moment_correction": True,
-                                             "kv_decode_interval": 0}))
+    for name in spec.get("moment_presets", ["snapkv", "knorm"]):
+        variants.append((name + "/moments", {"kv_policy": name, "kv_budget": 256, "kv_moment_correction": True}))
+    for _, extra in variants:  # a prompt shorter than budget + the default T would reach its first round only
+        if extra["kv_budget"] + 64 > len(prompt):  # after the 6 tokens: evict at the prompt end instead (T = 0)
+            extra["kv_decode_interval"] = 0
     snap = _snapshot(llm)
     for i, (label, extra) in enumerate(variants):
         engine.add_request(f"preset{i}", {"prompt_token_ids": prompt},
