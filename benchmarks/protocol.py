@@ -1,8 +1,9 @@
 """The matched-mean-cache evaluation protocol: the statistics every method comparison goes through.
 
-1. Fixed splits. Every sample id falls in ``dev`` or ``holdout`` by the MD5 bucket of the id
-   (:func:`split_of`), so the split never depends on the order, the number or the selection of the samples
-   that a run happens to load, and a sample never changes side between runs.
+1. Fixed splits by cluster. Every sample falls in ``dev`` or ``holdout`` by the MD5 bucket of its cluster
+   (the source passage's play, :func:`split_of`, :func:`cluster_splits`): windows of one play succeed or fail
+   together, so they all fall on one side. The split never depends on the order, the number or the selection
+   of the samples that a run happens to load, and a sample never changes side between runs.
 2. Knobs (budgets, intervals, policy arguments) are tuned on ``dev`` only. The holdout is scored once, with
    the knobs frozen, to confirm what dev found. A method spec may give candidates
    (``contour/contour_knorm:allocator.mix=0.5/1``, :func:`expand_spec`): every candidate runs on dev at every
@@ -10,13 +11,16 @@
 3. Holdout confirmation: per (model, budget) cell, the paired per-sample difference method - baseline on
    the same samples gets a cluster-bootstrap percentile CI (:func:`paired_diff_ci`; samples generated from
    one source passage are one cluster, since they succeed or fail together), at ``alpha / m`` over the
-   ``m`` cells (Bonferroni, :func:`confirm`). A cell is a win or a loss only when its CI excludes 0.
+   ``m`` tests the run reports, every (method pair, target) cell (Bonferroni, :func:`confirm`). A cell is a
+   win or a loss only when its CI excludes 0.
 4. Methods are matched on the MEAN KV cache a request holds over its whole generation, not on the cache
    left at the end of the prefill: a method that evicts only when the prompt ends lets its tail grow token
    by token while a decode-time evictor cuts back every ``T`` tokens, so the same nominal budget buys them
    very different caches. Each method's budget is picked so that its measured mean (``mean_kv``, tokens
    per KV head) meets a common target (:func:`budget_for_mean`, :func:`match_budgets`);
-   :func:`predicted_mean_kv` models the mean to choose the candidate budgets worth measuring.
+   :func:`predicted_mean_kv` models the mean to choose the candidate budgets worth measuring. The run
+   checks the match on the holdout (:func:`check_match`): the methods' measured means at one target must lie
+   within ``MATCH_TOLERANCE`` of each other; a budget the method's floor raised is named (it breaks the match).
 
 Pure python + numpy (no vLLM import).
 """
@@ -39,6 +43,11 @@ def split_of(sample_id: str, holdout_share: float = 0.5) -> str:
         raise ValueError(f"holdout_share {holdout_share} must lie in [0, 1]")
     bucket = int(hashlib.md5(sample_id.encode()).hexdigest()[:8], 16) / 16**8
     return "holdout" if bucket < holdout_share else "dev"
+
+
+def cluster_splits(samples: Sequence[dict], holdout_share: float = 0.5) -> dict[str, str]:
+    """``{sample id: split}``, every sample on the side of its cluster (``split_of(cluster)``)."""
+    return {s["id"]: split_of(str(s["cluster"]), holdout_share) for s in samples}
 
 
 def assign_splits(ids: Sequence[str], holdout_share: float = 0.5) -> dict[str, list[str]]:
@@ -121,11 +130,15 @@ def bonferroni_alpha(alpha: float, m: int) -> float:
     return alpha / m
 
 
-def confirm(cells: dict, alpha: float = 0.05, n_boot: int = 2000, seed: int = 0) -> dict[str, dict]:
+def confirm(cells: dict, alpha: float = 0.05, n_boot: int = 2000, seed: int = 0, m: int | None = None
+            ) -> dict[str, dict]:
     """Holdout confirmation. ``cells``: ``{name: (a_scores, b_scores, clusters)}`` (clusters may be None),
-    one per (model, budget). Returns per cell :func:`paired_diff_ci` at ``alpha / len(cells)`` plus
-    ``alpha`` (the level used) and ``verdict``: "win" (CI above 0), "loss" (below 0) or "tie"."""
-    level = bonferroni_alpha(alpha, len(cells))
+    one per (model, budget). Returns per cell :func:`paired_diff_ci` at ``alpha / m`` plus ``alpha`` (the
+    level used) and ``verdict``: "win" (CI above 0), "loss" (below 0) or "tie". ``m``: the number of tests the
+    whole run reports (every cell of every method pair); default ``len(cells)``."""
+    if m is not None and m < len(cells):
+        raise ValueError(f"m {m} is fewer than the {len(cells)} cells tested here")
+    level = bonferroni_alpha(alpha, len(cells) if m is None else m)
     out = {}
     for name, (a, b, clusters) in cells.items():
         r = paired_diff_ci(a, b, clusters, alpha=level, n_boot=n_boot, seed=seed)
@@ -213,6 +226,22 @@ def budget_for_mean(points: list[tuple[int, float]], target: float, block: int =
 def match_budgets(methods: dict[str, list[tuple[int, float]]], target: float, block: int = 32) -> dict[str, int]:
     """Per method, :func:`budget_for_mean` for the common mean-cache ``target``."""
     return {name: budget_for_mean(pts, target, block) for name, pts in methods.items()}
+
+
+# Matched holdout means may differ by this many KV tokens per head: budgets move in whole blocks of 32 tokens,
+# so each method lands within about half a block's worth of mean of the target, two methods within one block.
+MATCH_TOLERANCE = 32.0
+
+
+def check_match(means: dict[str, float | None], clamped: Sequence[str] = (), tolerance: float = MATCH_TOLERANCE
+                ) -> dict:
+    """The match at one target, from the methods' measured holdout means (tokens per head): ``spread`` (largest
+    minus smallest), ``clamped`` (methods whose floor raised the matched budget) and ``ok`` (every mean
+    measured, spread within ``tolerance``, nothing clamped)."""
+    vals = [v for v in means.values() if v is not None]
+    spread = float(max(vals) - min(vals)) if vals else float("nan")
+    ok = len(vals) == len(means) and spread <= tolerance and not clamped
+    return {"means": dict(means), "spread": spread, "clamped": list(clamped), "tolerance": tolerance, "ok": ok}
 
 
 # ------------------------------------------------------------------------------------------ recall task
@@ -458,24 +487,29 @@ def _resumable(args, split: dict) -> dict:
     return {sp: old.get(sp, {}) for sp in ("dev", "holdout")}
 
 
-def run(args, save: Callable[[dict], None] | None = None) -> dict:
-    """Dev grid, knobs tuned on dev, matching, holdout, confirmation. ``save(res)`` is called after every
-    measured config (the partial result, so a run stopped midway can be resumed with ``--resume``)."""
-    import time
-
+def _engine(args):
     from vllm import LLM
 
     from vllm_contour.models import fetch_model
 
-    t0 = time.time()
     model = str(fetch_model(args.model, quiet=True))
     llm = LLM(model, dtype=args.dtype, enforce_eager=True, max_model_len=4096, seed=0, block_size=32,
               enable_prefix_caching=False,  # every configuration prefills the same prompts
               additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}})
-    conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    return llm, llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def run(args, save: Callable[[dict], None] | None = None, engine=None) -> dict:
+    """Dev grid, knobs tuned on dev, matching, holdout, confirmation. ``save(res)`` is called after every
+    measured config (the partial result, so a run stopped midway can be resumed with ``--resume``).
+    ``engine``: ``(llm, connector)`` to run on instead of a new vLLM engine."""
+    import time
+
+    t0 = time.time()
+    llm, conn = engine if engine is not None else _engine(args)
     samples = recall_samples(llm.get_tokenizer(), args.per_play, args.context, args.cue, args.generated,
                              args.max_plays)
-    split = {s["id"]: split_of(s["id"], args.holdout_share) for s in samples}
+    split = cluster_splits(samples, args.holdout_share)
     by_split = {sp: [s for s in samples if split[s["id"]] == sp] for sp in ("dev", "holdout")}
     specs = args.methods.split(",")
     cands = {spec: expand_spec(spec) for spec in specs}
@@ -486,8 +520,8 @@ def run(args, save: Callable[[dict], None] | None = None) -> dict:
     if args.versus is not None and args.versus not in cands:
         raise SystemExit(f"--versus {args.versus!r} is not one of --methods")
     res = {"task": "recall", "model": args.model, "dtype": args.dtype, "baseline": args.baseline,
-           "versus": args.versus, "splits": split, "context": args.context, "generated": args.generated,
-           "dev": {}, "holdout": {}, "tuned": {}, "matched": {}, "confirm": {}}
+           "versus": args.versus, "split_by": "cluster", "splits": split, "context": args.context, "generated": args.generated,
+           "dev": {}, "holdout": {}, "tuned": {}, "matched": {}, "match": {}, "confirm": {}}
     earlier = _resumable(args, split)
     res["reused"] = []
 
@@ -521,15 +555,20 @@ def run(args, save: Callable[[dict], None] | None = None) -> dict:
     # 4. per target mean cache, each method's budget from its dev trajectory; 5. holdout at those budgets
     measure("holdout", "full", {"kv_policy": "none"})
     for target in targets:
-        matched = {spec: max(b, _floor(conn, extras[methods[spec]]))
-                   for spec, b in match_budgets(pts_of, target).items()}
+        want = match_budgets(pts_of, target)
+        matched = {spec: max(b, _floor(conn, extras[methods[spec]])) for spec, b in want.items()}
         res["matched"][str(target)] = matched
         for spec, b in matched.items():
             measure("holdout", f"{methods[spec]}@{b}", dict(extras[methods[spec]], kv_budget=b))
-    # 6. confirmation per target cell, Bonferroni over the cells: every method against the baseline, or
-    # (--versus M) M against every other method
+        # the match as measured on the holdout (a floor that raised a budget breaks it)
+        res["match"][str(target)] = check_match(
+            {spec: _mean(res["holdout"][f"{methods[spec]}@{b}"], "mean_kv") for spec, b in matched.items()},
+            [spec for spec in matched if matched[spec] != want[spec]])
+    # 6. confirmation per target cell: every method against the baseline, or (--versus M) M against every other
+    # method; Bonferroni over every test the run reports (pairs x targets)
     pairs = ([(args.versus, other) for other in methods if other != args.versus] if args.versus is not None
              else [(name, args.baseline) for name in methods if name != args.baseline])
+    res["tests"] = len(pairs) * len(res["matched"])
     for name, other in pairs:
         cells = {}
         for target, matched in res["matched"].items():
@@ -537,7 +576,7 @@ def run(args, save: Callable[[dict], None] | None = None) -> dict:
             b = res["holdout"][f"{methods[other]}@{matched[other]}"]
             cells[target] = ([r["coverage"] for r in a], [r["coverage"] for r in b], [r["cluster"] for r in a])
         res["confirm"][name if args.versus is None else other] = confirm(cells, alpha=args.alpha, n_boot=args.n_boot,
-                                                                         seed=args.seed)
+                                                                         seed=args.seed, m=res["tests"])
     res["seconds"] = time.time() - t0
     return res
 
@@ -555,7 +594,8 @@ def summary_markdown(res: dict) -> str:
     n_dev = sum(v == "dev" for v in res["splits"].values())
     n_hold = sum(v == "holdout" for v in res["splits"].values())
     lines = [f"recall: {res['context']}-token passages, {res['generated']} tokens to reproduce; dev {n_dev} / "
-             f"holdout {n_hold} samples (MD5 split); cells: coverage (measured mean KV tokens per head)", ""]
+             f"holdout {n_hold} samples ({'MD5 split by play' if res.get('split_by') == 'cluster' else 'MD5 split'}); "
+             "cells: coverage (measured mean KV tokens per head)", ""]
     budgets = sorted({int(k.rsplit("@", 1)[1]) for k in res["dev"] if k != "full"})
     full = {sp: _mean(res[sp]["full"], "coverage") for sp in ("dev", "holdout") if "full" in res[sp]}
     rows = [["full cache"] + [f"{full.get('dev', float('nan')):.3f}"] * len(budgets)]
@@ -586,6 +626,10 @@ def summary_markdown(res: dict) -> str:
         head = ([f"{vs} vs", "mean KV target", f"budgets ({vs} / it)", f"Δ coverage ({vs} - it)"] if vs else
                 [f"method vs {base}", "mean KV target", "budgets", "Δ coverage"])
         lines += ["", md_table(head + ["CI", "alpha", "verdict"], crow, nd=3)]
+    broken = {t: m for t, m in res.get("match", {}).items() if not m["ok"]}
+    for t, m in broken.items():
+        lines += ["", f"**match broken at mean KV {t}**: holdout means {m['means']} (spread {m['spread']:.1f} > "
+                      f"{m['tolerance']:g} or unmeasured); floor raised the budget of: {m['clamped'] or 'none'}"]
     return "\n".join(lines)
 
 
@@ -642,9 +686,9 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_contour.models import fetch_model
 
         tok = AutoTokenizer.from_pretrained(str(fetch_model(args.model, quiet=True)))
-        ids = [s["id"] for s in recall_samples(tok, args.per_play, args.context, args.cue, args.generated,
-                                                args.max_plays)]
-        sp = assign_splits(ids, args.holdout_share)
+        split = cluster_splits(recall_samples(tok, args.per_play, args.context, args.cue, args.generated,
+                                              args.max_plays), args.holdout_share)
+        sp = {side: [i for i, v in split.items() if v == side] for side in ("dev", "holdout")}
         est = estimate(args.methods.split(","), len(args.budgets.split(",")), len(args.targets.split(",")),
                        len(sp["dev"]), len(sp["holdout"]), rate_for(args.dtype, args.rate))
         print(f"dev {len(sp['dev'])} / holdout {len(sp['holdout'])} samples; {est['dev_configs']} dev + "

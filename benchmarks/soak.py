@@ -290,6 +290,9 @@ def summarise_metrics(text: str) -> dict:
     return {"running": metric(totals, "vllm:num_requests_running", nan),
             "waiting": metric(totals, "vllm:num_requests_waiting", nan),
             "kv_usage": metric(totals, "vllm:kv_cache_usage_perc", nan),
+            # vLLM's own free queue, as the plugin reads it (kv_usage goes through the plugin's patched count
+            # of free blocks, which counts blocks only shared compressed contexts hold as free); NaN: no plugin
+            "request_blocks": metric(totals, "vllm:contour_pool_request_blocks", nan),
             "preemptions": metric(totals, "vllm:num_preemptions", nan),
             "contour": {n: v for n, v in sorted(totals.items()) if n.startswith("vllm:contour_")
                         and not n.endswith(("_bucket", "_created"))},
@@ -297,7 +300,8 @@ def summarise_metrics(text: str) -> dict:
 
 
 def _idle(m: dict) -> bool:
-    return m["running"] == 0 and m["waiting"] == 0 and m["kv_usage"] == 0
+    rb = m.get("request_blocks", float("nan"))
+    return m["running"] == 0 and m["waiting"] == 0 and m["kv_usage"] == 0 and (math.isnan(rb) or rb == 0)
 
 
 def settle(base_url: str, timeout: float = 120.0, *, nudge_after: float | None = 10.0) -> dict:
@@ -405,8 +409,8 @@ def run_config(name: str, flags: list[str], env: dict, plan: list[dict], opts, o
         rec["alive"] = server.proc.poll() is None
         rec["pid_after"], rec["group_after"] = server.proc.pid, group_pids(server.proc.pid)
         rec["restarts"] = len(set(rec["group_before"]) - set(rec["group_after"])) + (0 if rec["alive"] else 1)
-        kv = rec["settle"]["kv_usage"]
-        rec["leaked_blocks"] = None if math.isnan(kv) else round(kv * (opts.pool - 1))
+        kv, rb = rec["settle"]["kv_usage"], rec["settle"].get("request_blocks", float("nan"))
+        rec["leaked_blocks"] = round(rb) if not math.isnan(rb) else None if math.isnan(kv) else round(kv * (opts.pool - 1))
     finally:
         server.stop()
     return rec

@@ -10,8 +10,14 @@ never more than the budget, moments included.
 
 Decode-time eviction adds a dense tail of at most ``T`` tokens (the decode interval, a multiple of the
 block size): when the tail reaches ``T`` the policy runs again over the kept pages plus the tail and cuts
-back to ``B``. At every step a request therefore holds at most ``N // bs + T // bs`` blocks (dense while
-it is shorter than ``N + T``). ``T = 0`` evicts once, when the prompt ends; the tail then grows.
+back to ``B``. Once compacted a request therefore holds at most ``N // bs + T // bs`` blocks after every
+engine step (``held_blocks_bound``): the round runs in the step whose tokens fill the tail's ``T // bs``
+blocks and frees the rest before the step ends. Before its first round a request shorter than ``N + T`` is
+dense: after a step with ``n < N + T`` tokens computed it holds ``ceil(n / bs)`` blocks, at most
+``ceil((N + T - 1) / bs)``, which is one block more than ``N // bs + T // bs`` when ``N % bs >= 2`` (a budget
+that is not a whole number of blocks). The bound is the larger of the two; a prefill step holds the dense
+prompt until the round at its end frees it, and a step with speculative drafts may hold the drafts' block on
+top. ``T = 0`` evicts once, when the prompt ends; the tail then grows.
 """
 
 from __future__ import annotations
@@ -82,8 +88,11 @@ class PageBudget:
         return layer_token_pages(self.budget, self.num_kv_heads, self.block_size, self.moment_pages)
 
     def held_blocks_bound(self, interval: int) -> int:
-        """Most blocks the request holds after any engine step while it decodes (``T > 0``)."""
-        return self.kept_blocks + interval // self.block_size
+        """Most blocks the request holds after any engine step once its prompt is prefilled (``T > 0``):
+        ``max(N // bs + T // bs, ceil((N + T - 1) / bs))`` (see the module docstring; the two are equal when
+        the budget is a whole number of blocks)."""
+        bs = self.block_size
+        return max(self.kept_blocks + interval // bs, -(-(self.budget + interval - 1) // bs))
 
     def evicts(self, candidate_pages: int) -> bool:
         """Whether a layer with ``candidate_pages`` head-pages of tokens must evict: only when they do not

@@ -1,8 +1,9 @@
 """`vllm-contour serve` end to end over HTTP.
 
-Two servers for the module: ``server`` (snapkv, 128 tokens per head, decode-time rounds, and the TEST-ONLY
+Three servers for the module: ``server`` (snapkv, 128 tokens per head, decode-time rounds, and the TEST-ONLY
 fault switch making some rounds fail while planning or after the first layer moved) carries the functional
-tests and a soak; ``moment_server`` (server-wide ``--kv-moment-correction``) carries a second soak."""
+tests and a soak; ``plain_server`` (the same without the fault switch) the per-request keys and what each did;
+``moment_server`` (server-wide ``--kv-moment-correction``) carries a second soak."""
 
 from __future__ import annotations
 
@@ -77,6 +78,15 @@ FAULTS = "plan=0.15,apply=0.15,seed=1"
 def server(tmp_path_factory):
     base, log, proc = _start(tmp_path_factory, "serve", ["--kv-eviction-policy", "snapkv", "--kv-budget", "128"],
                              {"VLLM_CONTOUR_FAULTS": FAULTS})
+    try:
+        yield base, log, proc.pid
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def plain_server(tmp_path_factory):
+    base, log, proc = _start(tmp_path_factory, "serve_plain", ["--kv-eviction-policy", "snapkv", "--kv-budget", "128"])
     try:
         yield base, log, proc.pid
     finally:
@@ -201,11 +211,13 @@ DOCUMENTED = [{"kv_policy": "streaming"}, {"kv_budget": 64}, {"kv_recent_window"
 
 
 @pytest.fixture(scope="module")
-def documented_replies(server):
-    """One request per documented key, all in flight together (the server batches them)."""
+def documented_replies(plain_server):
+    """One request per documented key, all in flight together (the server batches them), on the server without
+    the fault switch."""
     from concurrent.futures import ThreadPoolExecutor
 
-    base, _, _ = server
+    base, log, _ = plain_server
+    assert "TEST-ONLY fault switch" not in log.read_text()
 
     def send(xargs):
         return _post(base + "/v1/completions", {"model": "smollm2", "prompt": _story(60), "max_tokens": 16,
@@ -219,9 +231,42 @@ def documented_replies(server):
 @pytest.mark.parametrize("i", range(len(DOCUMENTED)),
                          ids=[",".join(f"{k}={v}" for k, v in x.items()) for x in DOCUMENTED])
 def test_every_documented_key_over_http(documented_replies, i):
+    """Each key had its effect, read from the request's eviction report in the response (``kv_transfer_params``
+    ``contour``, the plugin's scheduler): the policy that ran, the blocks it kept (budget // 32) and held in its
+    last step (within budget.py's bound), the decode interval, the moment pages (moment correction), the
+    context boundary where its first round ran, and the other settings it ran with."""
+    from vllm_contour.budget import CacheShape, request_budget
+    from vllm_contour.config import EvictionConfig, resolve_request
+
+    xargs = DOCUMENTED[i]
     code, out = documented_replies[i]
-    assert code == 200, (DOCUMENTED[i], out)
+    assert code == 200, (xargs, out)
     assert out["usage"]["completion_tokens"] == 16 and out["choices"][0]["finish_reason"] == "length"
+    rep = (out.get("kv_transfer_params") or {}).get("contour")
+    if xargs.get("kv_policy") == "none":
+        assert rep is None, out  # eviction off: no report
+        return
+    params = resolve_request(EvictionConfig(policy="snapkv", budget=128), xargs)
+    pb = request_budget(params, CacheShape(block_size=32, num_kv_heads=3, head_dim=64, elem_size=4), per_request=True)
+    prompt = out["usage"]["prompt_tokens"]
+    assert rep["policy"] == xargs.get("kv_policy", "snapkv") and rep["budget"] == xargs.get("kv_budget", 128), rep
+    assert not rep["failed"] and rep["rounds"] >= 1, rep
+    assert rep["kept_blocks"] == pb.kept_blocks == rep["budget"] // 32, rep  # budget -> blocks kept
+    assert rep["last_held_blocks"] <= (pb.held_blocks_bound(rep["decode_interval"]) if rep["decode_interval"]
+                                       else pb.kept_blocks + -(-(prompt + 15 - rep["region_blocks"] * 32) // 32)), rep
+    assert rep["decode_interval"] == xargs.get("kv_decode_interval", 64), rep
+    assert rep["moment_correction"] == bool(params.moment_correction), rep
+    assert (rep["moment_pages"] > 0) == bool(params.moment_correction) and rep["moment_pages"] == pb.moment_pages, rep
+    if "kv_context_len" in xargs:  # the boundary: the context is compressed when exactly C tokens have KV
+        assert rep["context_len"] == xargs["kv_context_len"] == rep["first_round_at"], rep
+    else:
+        assert not rep["context_len"] and rep["first_round_at"] == prompt, rep  # at the prompt end
+    for key, field in (("kv_recent_window", "recent_window"), ("kv_sink_tokens", "sink_tokens"),
+                       ("kv_observation_window", "window")):
+        if key in xargs:
+            assert rep[field] == xargs[key], (key, rep)
+    if "kv_policy_args" in xargs:
+        assert rep["policy_args"] == json.loads(xargs["kv_policy_args"]), rep
 
 
 def test_vllms_own_kv_transfer_params_pass(server):
@@ -248,7 +293,10 @@ def _check_soak(plan, res, idle, wall):
     assert res["invalid_ok"] == kinds["invalid"]
     assert res["ok"] >= kinds["valid"], res
     assert idle["settled"] and idle["healthy"], idle
-    assert idle["running"] == 0 and idle["waiting"] == 0 and idle["kv_usage"] == 0, idle  # no block leaked
+    assert idle["running"] == 0 and idle["waiting"] == 0 and idle["kv_usage"] == 0, idle
+    # no block leaked, read from vLLM's own free queue (kv_usage counts blocks only shared compressed contexts
+    # hold as free): the plugin's gauge of the blocks requests still hold
+    assert "vllm:contour_pool_request_blocks" in idle["contour"] and idle["request_blocks"] == 0, idle
 
 
 def test_soak_mixed_load_with_the_fault_switch(server):

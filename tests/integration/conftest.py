@@ -138,8 +138,11 @@ def plugin_off(model_dir):
 
 
 # (prompt tokens, budget, moments) of the budget-formula scenario (T = 0: one round, at the prompt end)
+# Boundaries: E == N // bs with a partial block on top (140 at 128), budget == prompt (128 with moments, 480),
+# one token less (479: N // bs = 14 < E = 15).
 FORMULA_CASES = [[300, 64, False], [1000, 64, False], [1000, 128, False], [1000, 128, True], [1000, 256, True],
-                 [2000, 200, False], [100, 128, True], [600, 512, True], [1500, 96, False]]
+                 [2000, 200, False], [100, 128, True], [600, 512, True], [1500, 96, False],
+                 [140, 128, False], [128, 128, True], [480, 480, False], [480, 479, False]]
 
 
 @pytest.fixture(scope="session")
@@ -148,23 +151,27 @@ def evicting(model_dir):
     override the budget per request so that no round may run (budget + T >= prompt + generated)."""
     return run_engine("snapkv128", dict(BASE_LLM, model=model_dir,
                                         additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
-                      ["greedy", "greedy_long", "greedy_evicted", "free_blocks", "concurrency", "preempt_abort",
-                       "presets", "decode_bound", "budget_formula", "short_moments", "context_boundary", "protocol",
-                       "spec_decode", "streaming_input", "prefix_stream", "shared_context"],
+                      ["greedy", "greedy_exact", "greedy_long", "greedy_evicted", "free_blocks", "concurrency",
+                       "preempt_abort", "presets", "decode_bound", "budget_formula", "short_moments",
+                       "context_boundary", "protocol", "spec_decode", "streaming_input", "prefix_stream",
+                       "shared_context"],
                       greedy_extra_args={"kv_budget": 100000}, long_extra_args={"kv_budget": 1024},
                       free_cases=[[2000, {"kv_policy": "adakv"}], [2000, {"kv_policy": "streaming"}],
                                   [1000, {"kv_budget": 256}]],
                       pa_extra_cycle=[{"kv_decode_interval": 32}, {"kv_policy": "none"}],
-                      formula_cases=FORMULA_CASES, stream_keep_args={"kv_budget": 100000})
+                      formula_cases=FORMULA_CASES, stream_keep_args={"kv_budget": 100000}, cb_aligned=896)
 
 
 @pytest.fixture(scope="session")
 def prefix_cached(model_dir):
-    """The evicting engine with vLLM's prefix caching on (its default)."""
+    """The evicting engine with vLLM's prefix caching on (its default). The test-only fault switch names two
+    requests of the last scenario (PA0's second round and PB0's first fail after bytes moved); no other
+    request can fail by it."""
     return run_engine("snapkv128_prefix", dict(BASE_LLM, model=model_dir, enable_prefix_caching=True,
                                                additional_config={"kv_eviction": {"policy": "snapkv",
                                                                                   "budget": 128}}),
-                      ["prefix_stream", "shared_context"])
+                      ["prefix_stream", "shared_context", "fault_prefix"],
+                      env={"VLLM_CONTOUR_FAULTS": "at=apply:PA0:2,at=apply:PB0:1"})
 
 
 @pytest.fixture(scope="session")
@@ -186,13 +193,17 @@ def ngram(model_dir):
                       ["spec_decode"])
 
 
+FAULTS = ("plan=0.25,apply=0.25,seed=3,only=X,"  # the random scenario's requests (X0, X1, ...)
+          "at=apply:FA*:1,at=forward:FF0:3,at=metadata:FM0:3")  # one failure each, named
+
+
 @pytest.fixture(scope="session")
 def faulty(model_dir):
-    """The test-only fault switch on: a quarter of the rounds fail while planning, a quarter after the first
-    layer was compacted."""
+    """The test-only fault switch on: a quarter of the random scenario's rounds fail while planning, a quarter
+    after the first layer was compacted; then named failures, one path each (``fault_paths``)."""
     return run_engine("faults", dict(BASE_LLM, model=model_dir,
                                      additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
-                      ["faults"], env={"VLLM_CONTOUR_FAULTS": "plan=0.25,apply=0.25,seed=3"})
+                      ["faults", "fault_paths"], env={"VLLM_CONTOUR_FAULTS": FAULTS})
 
 
 
@@ -205,17 +216,23 @@ def evicting_torch_ops(model_dir):
                       ["greedy_evicted"], env={"VLLM_CONTOUR_OPS_IMPL": "torch"})
 
 
-# Tensor parallelism: the tiny random Llama (2 KV heads, so TP=2 gives each rank one head) served by vLLM's
-# multiprocess executor, against the same model on one rank.
+# Tensor parallelism: a small Llama derived from SmolLM2's own weights (its first 4 layers, 2 of its 3 KV heads
+# with their query heads: not random, so which tokens SnapKV keeps depends on the content and on the head; 2 KV
+# heads, so TP=2 gives each rank one head) served by vLLM's multiprocess executor, against the same model on
+# one rank. The server's policy is SnapKV (query-aware: each rank scores its own head with its window queries);
+# a second request per prompt runs StreamingLLM (content-blind), a third keeps everything.
 # Each rank budgets its own heads (local heads x budget // block pages per layer), so one rank with 2 heads
 # and two ranks with 1 head keep the same pages per head; 64 tokens per head give 2 pages per head on both.
 # Generations long enough for decode-time rounds (every 32 generated tokens). Prefix caching is on: each
 # prompt is sent twice (evicting and not), so the ranks also pack rounds into private blocks and merge them.
 PAR_LENGTHS = [192, 320, 480]
 PAR_MAX_TOKENS = 120
+PAR_VARIANTS = [["evict", None], ["stream", {"kv_policy": "streaming"}], ["keep", {"kv_budget": 100000}]]
 TINY_LLM = dict(dtype="float32", enforce_eager=True, block_size=32, enable_prefix_caching=True,
                 max_model_len=1024, num_gpu_blocks_override=64, max_num_seqs=16, seed=0, skip_tokenizer_init=True,
                 additional_config={"kv_eviction": {"policy": "streaming", "budget": 64, "decode_interval": 32}})
+TP_LLM = dict(TINY_LLM, num_gpu_blocks_override=96,
+              additional_config={"kv_eviction": {"policy": "snapkv", "budget": 64, "decode_interval": 32}})
 
 
 def _bind_two_cpus() -> str:
@@ -233,13 +250,21 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_tp1(tiny_model_dir):
-    return run_engine("tiny_tp1", dict(TINY_LLM, model=tiny_model_dir), ["parallel"], par_lengths=PAR_LENGTHS,
-                      par_max_tokens=PAR_MAX_TOKENS)
+def tp_model_dir(tmp_path_factory, model_dir) -> str:
+    from tests.tiny_model import make_smollm2_two_kv_heads
+
+    return str(make_smollm2_two_kv_heads(tmp_path_factory.mktemp("smollm2_2kv") / "model", model_dir))
 
 
 @pytest.fixture(scope="session")
-def tiny_tp2(tiny_model_dir):
-    return run_engine("tiny_tp2", dict(TINY_LLM, model=tiny_model_dir, tensor_parallel_size=2,
-                                       distributed_executor_backend="mp"), ["parallel"], par_lengths=PAR_LENGTHS,
-                      par_max_tokens=PAR_MAX_TOKENS, env={"VLLM_CPU_OMP_THREADS_BIND": _bind_two_cpus()})
+def tiny_tp1(tp_model_dir):
+    return run_engine("tp1", dict(TP_LLM, model=tp_model_dir), ["parallel"], par_lengths=PAR_LENGTHS,
+                      par_max_tokens=PAR_MAX_TOKENS, par_variants=PAR_VARIANTS)
+
+
+@pytest.fixture(scope="session")
+def tiny_tp2(tp_model_dir):
+    return run_engine("tp2", dict(TP_LLM, model=tp_model_dir, tensor_parallel_size=2,
+                                  distributed_executor_backend="mp"), ["parallel"], par_lengths=PAR_LENGTHS,
+                      par_max_tokens=PAR_MAX_TOKENS, par_variants=PAR_VARIANTS,
+                      env={"VLLM_CPU_OMP_THREADS_BIND": _bind_two_cpus()})

@@ -24,7 +24,51 @@ def _core(llm):
 
 
 def _free(llm) -> int:
-    return _core(llm).scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    """vLLM's own count of free blocks: its free queue (the plugin patches ``get_num_free_blocks`` to count the
+    blocks only a shared compressed context holds as free; that count is never read here)."""
+    return _core(llm).scheduler.kv_cache_manager.block_pool.free_block_queue.num_free_blocks
+
+
+# Successful rounds per request (the caller's id), logged as the scheduler side applies each report: a
+# scenario reads the counts of its own requests, never the engine-wide running total.
+ROUNDS: dict[str, int] = {}
+_COUNTS = ("rounds", "evicted_requests", "freed_blocks", "private_blocks", "shared_hits")
+
+
+def _log_rounds(core) -> None:
+    conn = core.scheduler.connector
+    if conn is None:
+        return
+    side = conn.scheduler_side
+    apply_one = side._apply_one
+
+    def logged(req_id, out):
+        before = side.totals.rounds
+        apply_one(req_id, out)
+        if side.totals.rounds > before:
+            key = req_id.split("-")[0]
+            ROUNDS[key] = ROUNDS.get(key, 0) + 1
+
+    side._apply_one = logged
+
+
+def _snapshot(llm) -> dict:
+    """The plugin's scheduler counters now (see ``_deltas``)."""
+    conn = _core(llm).scheduler.connector
+    if conn is None:
+        return {}
+    return {**{k: getattr(conn.totals, k) for k in _COUNTS}, "failures": dict(conn.totals.failures)}
+
+
+def _deltas(llm, snap: dict) -> dict:
+    """What the plugin's scheduler counted since ``snap``: this scenario's rounds, requests compacted, blocks
+    freed, private blocks, shared-context hits and failures by reason (reasons that did not move left out)."""
+    now = _snapshot(llm)
+    if not now:
+        return {**dict.fromkeys(_COUNTS, 0), "failures": {}}
+    f0 = snap["failures"]
+    return {**{k: now[k] - snap[k] for k in _COUNTS},
+            "failures": {k: v - f0.get(k, 0) for k, v in now["failures"].items() if v != f0.get(k, 0)}}
 
 
 def _held(llm) -> dict[str, int]:
@@ -93,6 +137,25 @@ def run_greedy(llm, spec, res):
     res["greedy"] = [outs[f"g{i}"] for i in range(len(prompts))]
     res["greedy_lengths"] = lengths
     res["greedy_free_trace"] = free_trace
+
+
+def run_greedy_exact(llm, spec, res):
+    """The greedy prompts with the budget exactly each prompt's length (the 37-token one: the floor, 64) and
+    one round at the prompt end (``kv_decode_interval`` 0): the prompt fits its budget, so the round must keep
+    everything."""
+    from vllm import SamplingParams
+
+    tok = llm.get_tokenizer()
+    lengths = spec.get("greedy_lengths", [37, 90, 150, 260, 333, 480, 555, 700])
+    prompts = _text_prompts(tok, lengths, 1)
+    engine = llm.llm_engine
+    snap = _snapshot(llm)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"gx{i}", {"prompt_token_ids": p},
+                           SamplingParams(max_tokens=spec.get("greedy_max_tokens", 24), temperature=0,
+                                          ignore_eos=True, extra_args={"kv_budget": max(len(p), 64), "kv_decode_interval": 0}))
+    outs = _drain(llm)
+    res["greedy_exact"] = {"tokens": [outs.get(f"gx{i}") for i in range(len(prompts))], **_deltas(llm, snap)}
 
 
 def run_greedy_none(llm, spec, res):
@@ -178,6 +241,7 @@ def run_preempt_abort(llm, spec, res):
         engine.add_request(f"p{i}", {"prompt_token_ids": p},
                            SamplingParams(max_tokens=spec.get("pa_max_tokens", 200), temperature=0, ignore_eos=True,
                                           extra_args=extra))
+    snap = _snapshot(llm)
     rnd = random.Random(7)
     to_abort = set(rnd.sample([f"p{i}" for i in range(n_req)], spec.get("pa_aborts", 3)))
     step, finished = 0, set()
@@ -206,11 +270,12 @@ def run_preempt_abort(llm, spec, res):
     res["preempt_abort"] = {
         "preemptions": sum(preempted.values()), "preempted": preempted, "evicting": sorted(evicting),
         "held": held, "aborted": sorted(to_abort), "finished": len(finished),
-        "free_end": pool.get_num_free_blocks(), "num_blocks": pool.num_gpu_blocks,
+        "free_end": pool.free_block_queue.num_free_blocks, "num_blocks": pool.num_gpu_blocks,
         "requests_left": len(sched.requests),
         "worker_requests_left": sorted(st.requests), "worker_layouts_left": sorted(st.compacted()),
         "manager_reqs_left": len(sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks),
-        "rounds": _core(llm).scheduler.connector.totals.rounds if _core(llm).scheduler.connector else 0,
+        **{k: _deltas(llm, snap)[k] for k in ("rounds", "failures")},
+        "request_rounds": {r: ROUNDS.get(r, 0) for r in sorted(evicting)},
     }
 
 
@@ -235,13 +300,21 @@ def run_presets(llm, spec, res):
         variants.append((name + "/agnostic", {"kv_policy": name, "kv_budget": budget, "kv_context_len": len(ctx)}))
     for name in spec.get("moment_presets", ["snapkv", "knorm"]):
         variants.append((name + "/moments", {"kv_policy": name, "kv_budget": 256, "kv_moment_correction": True}))
+    for _, extra in variants:  # a prompt shorter than budget + the default T would reach its first round only
+        if extra["kv_budget"] + 64 > len(prompt):  # after the 6 tokens: evict at the prompt end instead (T = 0)
+            extra["kv_decode_interval"] = 0
+    snap = _snapshot(llm)
     for i, (label, extra) in enumerate(variants):
         engine.add_request(f"preset{i}", {"prompt_token_ids": prompt},
                            SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args=extra))
     outs = _drain(llm)
     res["presets"] = {label: outs.get(f"preset{i}") for i, (label, _) in enumerate(variants)}
     conn = _core(llm).scheduler.connector
-    res["presets_evicted"] = conn.totals.evicted_requests
+    last = {k.split("-")[0]: v for k, v in conn.totals.last.items()}
+    # this scenario's own counts: each preset request's rounds and the blocks its last round freed
+    res["presets_rounds"] = {label: ROUNDS.get(f"preset{i}", 0) for i, (label, _) in enumerate(variants)}
+    res["presets_freed"] = {label: (last.get(f"preset{i}") or (0, 0, 0))[2] for i, (label, _) in enumerate(variants)}
+    res["presets_deltas"] = _deltas(llm, snap)
 
 
 def run_greedy_evicted(llm, spec, res):
@@ -283,20 +356,32 @@ def run_parallel(llm, spec, res):
     prompts = _prompts(spec.get("par_vocab", 512), lengths, 11)
     engine = llm.llm_engine
     conn = _core(llm).scheduler.connector
-    f0, freed0, private0 = _free(llm), conn.totals.freed_blocks, conn.totals.private_blocks
+    f0, freed0, private0, rounds0 = _free(llm), conn.totals.freed_blocks, conn.totals.private_blocks, conn.totals.rounds
     labels = []
+    variants = spec.get("par_variants") or [["evict", None], ["keep", {"kv_budget": 100000}]]
     for i, p in enumerate(prompts):
-        for tag, extra in (("evict", None), ("keep", {"kv_budget": 100000})):
+        for tag, extra in variants:
             labels.append(f"par{i}{tag}")
             engine.add_request(labels[-1], {"prompt_token_ids": p},
                                SamplingParams(max_tokens=spec.get("par_max_tokens", 16), temperature=0,
                                               ignore_eos=True, extra_args=extra))
-    outs = _drain(llm)
+    kept: dict[str, list] = {}  # one rank (in-process worker): each request's kept positions per layer and head
+
+    def on_step():
+        if getattr(_core(llm).model_executor, "driver_worker", None) is not None:
+            for rid in labels:
+                lay = _layout_of(rid)
+                if lay is not None:
+                    kept[rid] = [[lay.kept_positions(layer, h).tolist() for h in range(lay.num_kv_heads)]
+                                 for layer in range(lay.num_layers)]
+
+    outs = _drain(llm, on_step)
     last = {k.split("-")[0]: list(v) for k, v in conn.totals.last.items() if k.split("-")[0] in labels}
     res["parallel"] = {"tokens": {k: outs.get(k) for k in labels}, "lengths": lengths,
                        "freed_blocks": conn.totals.freed_blocks - freed0, "reports": last,
                        "private_blocks": conn.totals.private_blocks - private0,
-                       "rounds": conn.totals.rounds,
+                       "rounds": conn.totals.rounds - rounds0, "kept": kept,
+                       "request_rounds": {k: ROUNDS.get(k, 0) for k in labels},
                        "free_before": f0, "free_end": _free(llm)}
 
 
@@ -312,30 +397,36 @@ def run_greedy_long(llm, spec, res):
     sp = SamplingParams(max_tokens=spec.get("long_max_tokens", 256), temperature=0, ignore_eos=True,
                         extra_args=spec.get("long_extra_args"))
     engine = llm.llm_engine
+    snap = _snapshot(llm)
     for i, p in enumerate(prompts):
         engine.add_request(f"L{i}", {"prompt_token_ids": p}, sp)
     outs = _drain(llm)
     res["greedy_long"] = [outs[f"L{i}"] for i in range(len(prompts))]
     conn = _core(llm).scheduler.connector
-    res["greedy_long_rounds"] = conn.totals.rounds if conn else None
+    res["greedy_long_rounds"] = _deltas(llm, snap)["rounds"] if conn else None
 
 
 def run_decode_bound(llm, spec, res):
-    """A long prompt with a long answer and a short prompt with a very long answer, together: the blocks each
-    holds in vLLM's pool after every engine step, and how many rounds each ran."""
+    """A long prompt with a long answer and short prompts with very long answers, together (the last with a
+    budget that is not a whole number of blocks): the blocks each holds in vLLM's pool after every engine
+    step, vLLM's own used-block count (its free queue) at the same moment, and the rounds each ran."""
     from vllm import SamplingParams
 
     tok = llm.get_tokenizer()
-    cases = spec.get("bound_cases", [[1200, 400], [80, 700]])
-    prompts = _text_prompts(tok, [n for n, _ in cases], 4)
+    cases = spec.get("bound_cases", [[1200, 400], [80, 700], [80, 300, {"kv_budget": 200}]])
+    prompts = _text_prompts(tok, [c[0] for c in cases], 4)
     engine = llm.llm_engine
     extra = spec.get("bound_extra_args")
-    for i, (p, (_, gen)) in enumerate(zip(prompts, cases)):
+    snap = _snapshot(llm)
+    for i, (p, case) in enumerate(zip(prompts, cases)):
         engine.add_request(f"B{i}", {"prompt_token_ids": p},
-                           SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True, extra_args=extra))
+                           SamplingParams(max_tokens=case[1], temperature=0, ignore_eos=True,
+                                          extra_args={**(extra or {}), **(case[2] if len(case) > 2 else {})}))
     traces: dict[str, list[int]] = {f"B{i}": [] for i in range(len(cases))}
     computed: dict[str, list[int]] = {f"B{i}": [] for i in range(len(cases))}
+    used: list[list] = []  # after every step: [vLLM's used blocks (free queue), {request: blocks it holds}]
     sched = _core(llm).scheduler
+    pool = sched.kv_cache_manager.block_pool
     # the test's own reading of vLLM's pool at the moment the plugin samples it (the scheduler has allocated
     # the step's blocks and is about to hand the step to the workers)
     during: dict[str, list[int]] = {f"B{i}": [] for i in range(len(cases))}
@@ -362,14 +453,19 @@ def run_decode_bound(llm, spec, res):
             key = r.request_id.split("-")[0]
             if key in computed:
                 computed[key].append(r.num_computed_tokens)
+        used.append([pool.num_gpu_blocks - 1 - pool.free_block_queue.num_free_blocks, held])
 
     _drain(llm, on_step)
+    if conn is not None:
+        conn.build_connector_meta = orig_meta
     kv_held = {k.split("-")[0]: v for k, v in conn.totals.kv_held.items()} if conn is not None else {}
-    res["decode_bound"] = {"cases": cases, "held": traces, "computed": computed, "during": during,
+    d = _deltas(llm, snap)
+    res["decode_bound"] = {"cases": cases, "held": traces, "computed": computed, "during": during, "used": used,
                            "plugin_kv_held": {k: v for k, v in kv_held.items() if k in during},
                            "block_size": sched.kv_cache_manager.coordinator.single_type_managers[0].block_size,
-                           "rounds": conn.totals.rounds if conn else 0, "free_end": _free(llm),
-                           "num_blocks": sched.kv_cache_manager.block_pool.num_gpu_blocks}
+                           "rounds": d["rounds"], "failures": d["failures"],
+                           "request_rounds": {k: ROUNDS.get(k, 0) for k in traces}, "free_end": _free(llm),
+                           "num_blocks": pool.num_gpu_blocks}
 
 
 def run_budget_formula(llm, spec, res):
@@ -410,6 +506,7 @@ def run_short_moments(llm, spec, res):
     prompts = _text_prompts(tok, lengths, 8)
     engine = llm.llm_engine
     extra = {"kv_budget": 128, "kv_moment_correction": True, "kv_decode_interval": 32}
+    snap = _snapshot(llm)
     for i, p in enumerate(prompts):
         engine.add_request(f"S{i}", {"prompt_token_ids": p},
                            SamplingParams(max_tokens=120, temperature=0, ignore_eos=True, extra_args=extra))
@@ -417,7 +514,8 @@ def run_short_moments(llm, spec, res):
     outs = _drain(llm, reasons=reasons)
     conn = _core(llm).scheduler.connector
     res["short_moments"] = {"lengths": lengths, "tokens": {k: len(v) for k, v in outs.items()},
-                            "reasons": reasons, "failures": dict(conn.totals.failures), "free_end": _free(llm),
+                            "reasons": reasons, "failures": _deltas(llm, snap)["failures"], "free_end": _free(llm),
+                            "request_rounds": {f"S{i}": ROUNDS.get(f"S{i}", 0) for i in range(len(prompts))},
                             "nonfinite_cache_elements": _nonfinite_cache_elements()}
 
 
@@ -444,6 +542,7 @@ def run_faults(llm, spec, res):
     lengths = [rnd.choice([30, 90, 200, 400, 700, 1100]) for _ in range(spec.get("fault_requests", 12))]
     prompts = _text_prompts(tok, lengths, 9)
     engine = llm.llm_engine
+    snap = _snapshot(llm)
     for i, p in enumerate(prompts):
         extra = {"kv_moment_correction": bool(i % 2), "kv_decode_interval": 32}
         engine.add_request(f"X{i}", {"prompt_token_ids": p},
@@ -466,9 +565,109 @@ def run_faults(llm, spec, res):
     st = worker_state()
     res["faults"] = {"requests": len(prompts), "finished": sorted(outs), "reasons": reasons,
                      "lengths": {k: len(v) for k, v in outs.items()}, "aborted": aborted,
-                     "failures": dict(sched.connector.totals.failures), "rounds": sched.connector.totals.rounds,
+                     **{k: _deltas(llm, snap)[k] for k in ("failures", "rounds")},
                      "free_end": _free(llm), "num_blocks": sched.kv_cache_manager.block_pool.num_gpu_blocks,
                      "requests_left": len(sched.requests), "worker_requests_left": sorted(st.requests)}
+
+
+def _run_batch(llm, batch, watch=None) -> tuple[dict, dict, dict]:
+    """Add ``(request id, prompt, max tokens, extra args)`` together and drain; -> tokens, finish reasons and
+    each request's preemptions (vLLM's counter, read after every step; a recompute is a preemption)."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    sched = _core(llm).scheduler
+    for rid, prompt, n, extra in batch:
+        engine.add_request(rid, {"prompt_token_ids": prompt},
+                           SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, extra_args=extra))
+    ids = {rid for rid, *_ in batch}
+    preempted = dict.fromkeys(ids, 0)
+
+    def on_step():
+        for r in sched.requests.values():
+            key = r.request_id.split("-")[0]
+            if key in ids:
+                preempted[key] = r.num_preemptions
+
+    reasons: dict = {}
+    outs = _drain(llm, on_step, reasons)
+    return outs, {k.split("-")[0]: str(v) for k, v in reasons.items()}, preempted
+
+
+def _leftovers(llm) -> dict:
+    """After one more tiny request (so the worker sees the last finished ids): what is still held."""
+    from vllm import SamplingParams
+
+    from vllm_contour.integration.state import worker_state
+
+    engine = llm.llm_engine
+    engine.add_request("tail", {"prompt_token_ids": list(range(200, 240))}, SamplingParams(max_tokens=2))
+    _drain(llm)
+    engine.step()
+    sched = _core(llm).scheduler
+    pool = sched.kv_cache_manager.block_pool
+    return {"free_end": pool.free_block_queue.num_free_blocks, "num_blocks": pool.num_gpu_blocks,
+            "requests_left": len(sched.requests), "worker_requests_left": sorted(worker_state().requests)}
+
+
+def run_fault_paths(llm, spec, res):
+    """Each failure path on purpose (the engine's fault switch names these requests; no prefix caching):
+    - FA4..FA7, the greedy prompts of 333..700 tokens at budget 128 with one round at the prompt end (T = 0),
+      whose compaction fails after the first layer moved: recomputed densely, so their tokens must be the
+      stock engine's greedy tokens;
+    - FF0 (its attention op fails in its 3rd step as a compacted request) and FM0 (its compacted rows' page
+      table cannot be built in its 3rd such step) in a batch with FO1 and FO2, then the same four prompts
+      again under ids the switch does not name (GF0, GM0, GO1, GO2)."""
+    tok = llm.get_tokenizer()
+    greedy = _text_prompts(tok, spec.get("greedy_lengths", [37, 90, 150, 260, 333, 480, 555, 700]), 1)
+    snap = _snapshot(llm)
+    apply_batch = [(f"FA{i}", greedy[i], 24, {"kv_budget": 128, "kv_decode_interval": 0}) for i in range(4, 8)]
+    toks, reasons, preempted = _run_batch(llm, apply_batch)
+    apply_d = _deltas(llm, snap)
+    prompts = _text_prompts(tok, [500, 420, 380, 450], 91)
+    extra = {"kv_budget": 128, "kv_decode_interval": 32}
+    snap2 = _snapshot(llm)
+    named = [(rid, p, 40, extra) for rid, p in zip(("FF0", "FM0", "FO1", "FO2"), prompts)]
+    toks2, reasons2, _ = _run_batch(llm, named)
+    step_d = _deltas(llm, snap2)
+    twins = [("G" + rid[1:], p, n, x) for rid, p, n, x in named]
+    toks3, reasons3, _ = _run_batch(llm, twins)
+    res["fault_paths"] = {
+        "apply": {"tokens": {k: toks.get(k) for k, *_ in apply_batch}, "reasons": reasons, "preempted": preempted,
+                  "greedy_index": {f"FA{i}": i for i in range(4, 8)}, **apply_d,
+                  "request_rounds": {k: ROUNDS.get(k, 0) for k, *_ in apply_batch}},
+        "step": {"tokens": {**{k: toks2.get(k) for k, *_ in named}, **{k: toks3.get(k) for k, *_ in twins}},
+                 "reasons": {**reasons2, **reasons3}, **step_d,
+                 "twins_failures": _deltas(llm, snap2)["failures"]},
+        **_leftovers(llm)}
+
+
+def run_fault_prefix(llm, spec, res):
+    """Apply failures with prefix caching on (the engine's fault switch names PA0 round 2 and PB0 round 1),
+    all on one 500-token prompt at budget 128, T = 64, 100 generated tokens, together with QA0 (the same
+    request, not named) and QB0 (eviction off): PB0's first round packs into private blocks (its blocks are
+    hashed), so its failure moved nothing of the request's own: served on as it is (counted as a plan
+    failure). PA0's second round compacts in place (a compacted request's blocks are no longer hashed): it is
+    recomputed densely. Then QC0: eviction off, prompt = the prompt + PA0's tokens up to its failed round,
+    generating the rest -- what the recompute must have produced."""
+    tok = llm.get_tokenizer()
+    prompt = _text_prompts(tok, [500], 93)[0]
+    n, bs, budget, interval = 100, 32, 128, 64
+    extra = {"kv_budget": budget, "kv_decode_interval": interval}
+    snap = _snapshot(llm)
+    batch = [("PA0", prompt, n, extra), ("PB0", prompt, n, extra), ("QA0", prompt, n, extra),
+             ("QB0", prompt, n, {"kv_policy": "none"})]
+    toks, reasons, preempted = _run_batch(llm, batch)
+    d = _deltas(llm, snap)
+    # PA0's second round runs in the step that computes token (P // bs) * bs + T, i.e. with g tokens generated
+    g = len(prompt) // bs * bs + interval - len(prompt) + 1
+    pa = toks.get("PA0") or []
+    cont, creasons, _ = _run_batch(llm, [("QC0", prompt + pa[:g], n - g, {"kv_policy": "none"})])
+    res["fault_prefix"] = {"tokens": {**{k: toks.get(k) for k, *_ in batch}, "QC0": cont.get("QC0")},
+                           "reasons": {**reasons, **creasons}, "preempted": preempted, "g": g, **d,
+                           "request_rounds": {k: ROUNDS.get(k, 0) for k, *_ in batch},
+                           "prefix_caching": bool(_core(llm).scheduler.kv_cache_manager.block_pool.enable_caching),
+                           **_leftovers(llm)}
 
 
 def run_context_boundary(llm, spec, res):
@@ -486,6 +685,12 @@ def run_context_boundary(llm, spec, res):
     sched = _core(llm).scheduler
     cases = {"keep": {"kv_budget": 4096}, "evict": {"kv_budget": 128}, "score_only": {"kv_budget": 128,
                                                                                      "kv_agnostic_mode": "score_only"}}
+    ctx_lens = {name: ctx_len for name in cases}
+    if spec.get("cb_aligned"):  # the same as "evict" with a context a whole number of blocks long
+        cases["aligned"] = {"kv_budget": 128}
+        ctxs.append(_text_prompts(tok, [spec["cb_aligned"]], 43)[0])
+        questions.append(questions[1])
+        ctx_lens["aligned"] = spec["cb_aligned"]
     labels = []
     for i, (name, extra) in enumerate(cases.items()):
         rid = f"C{name}"
@@ -493,7 +698,7 @@ def run_context_boundary(llm, spec, res):
         prompt = ctxs[i] + questions[i]
         engine.add_request(rid, {"prompt_token_ids": prompt},
                            SamplingParams(max_tokens=spec.get("cb_max_tokens", 24), temperature=0, ignore_eos=True,
-                                          extra_args={**extra, "kv_context_len": ctx_len}))
+                                          extra_args={**extra, "kv_context_len": ctx_lens[name]}))
     trace: dict[str, list] = {rid: [] for rid in labels}
 
     def on_step():
@@ -506,7 +711,7 @@ def run_context_boundary(llm, spec, res):
                                    None if lay is None else lay.region_blocks])
 
     outs = _drain(llm, on_step)
-    res["context_boundary"] = {"context": ctx_len, "question": q_len, "trace": trace,
+    res["context_boundary"] = {"context": ctx_len, "question": q_len, "trace": trace, "contexts": ctx_lens,
                                "tokens": {k: outs.get(k) for k in labels}, "free_end": _free(llm),
                                "prompts": {k: ctxs[i] + questions[i] for i, k in enumerate(labels)}}
 
@@ -728,12 +933,21 @@ def run_prefix_stream(llm, spec, res):
         engine.step()
     engine.step()
     pool = sched.kv_cache_manager.block_pool
+    # vLLM's own free queue: blocks that only shared compressed contexts still hold are not in it; they are
+    # counted, then reset_prefix_cache drops the contexts and every block must be back in the queue
+    free_before_reset = pool.free_block_queue.num_free_blocks
+    shared = conn.scheduler_side.shared if conn else None
+    entry_blocks = len({b.block_id for e in shared.entries.values() for b in e.blocks if not b.is_null}) \
+        if shared else 0
+    llm.reset_prefix_cache()
+    engine.step()
     d = {k: getattr(conn.totals, k) - t0[k] for k in names} if conn else dict.fromkeys(names, 0)
     failures = {k: v - f0.get(k, 0) for k, v in conn.totals.failures.items() if v != f0.get(k, 0)} if conn else {}
     res["prefix_stream"] = {
         "tokens": {rid: outs.get(rid) for _, rid, _ in plan}, "reasons": reasons, "hits": hits,
         "prompt_lens": {rid: len(p) for _, rid, p in plan}, "aborted": sorted(abort),
-        "free_end": pool.get_num_free_blocks(), "num_blocks": pool.num_gpu_blocks,
+        "free_end": pool.free_block_queue.num_free_blocks, "num_blocks": pool.num_gpu_blocks,
+        "free_before_reset": free_before_reset, "entry_blocks": entry_blocks,
         "manager_reqs_left": len(sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks),
         "worker_requests_left": sorted(worker_state().requests),
         "rounds": d["rounds"], "freed": d["freed_blocks"], "evicted_requests": d["evicted_requests"],
@@ -761,6 +975,7 @@ def run_shared_context(llm, spec, res):
     mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
     conn = sched.connector
     base = {"kv_context_len": c}
+    snap = _snapshot(llm)
     hits0 = conn.totals.shared_hits if conn else 0
     hits: dict[str, int] = {}
     first_sched: dict[str, int] = {}
@@ -823,7 +1038,7 @@ def run_shared_context(llm, spec, res):
         "entries_end": len(shared.entries) if shared else 0,
         "shared_hits": conn.totals.shared_hits - hits0 if conn else 0,
         "private_after_b": private_after_b,
-        "failures": dict(conn.totals.failures) if conn else {},
+        "failures": _deltas(llm, snap)["failures"],
         "free_end": pool.free_block_queue.num_free_blocks, "num_blocks": pool.num_gpu_blocks,
         "prefix_caching": bool(pool.enable_caching),
         "kv_held": {k.split("-")[0]: v for k, v in conn.totals.kv_held.items()} if conn else {},
@@ -844,6 +1059,7 @@ def run_hybrid(llm, spec, res):
     kinds = [type(g.kv_cache_spec).__name__ for g in sched.kv_cache_config.kv_cache_groups]
     engine = llm.llm_engine
     prompt = _text_prompts(tok, [spec.get("hy_prompt", 2000)], 81)[0]
+    snap = _snapshot(llm)
     out = {}
     for rid, extra, n_out in (("H", None, 8), ("Hnone", {"kv_policy": "none"}, 8),
                               ("Hdecode", {"kv_decode_interval": 64}, 160)):
@@ -862,7 +1078,7 @@ def run_hybrid(llm, spec, res):
         out[rid] = {"tokens": toks, "trace": trace, "free_before": f0, "free_end": _free(llm), "prompt": len(p)}
     conn = sched.connector
     res["hybrid"] = {"kinds": kinds, "runs": out, "block_size": mgrs[0].block_size,
-                     "failures": dict(conn.totals.failures) if conn else {},
+                     "failures": _deltas(llm, snap)["failures"],
                      "kv_held": {k.split("-")[0]: v for k, v in conn.totals.kv_held.items()} if conn else {}}
 
 
@@ -888,7 +1104,8 @@ def run_compare(llm, spec, res):
     res["ops_calls"] = {f"{op}:{impl}": n for (op, impl), n in ops.CALLS.items()}
 
 
-SCENARIOS = {"compare": run_compare, "hybrid": run_hybrid, "shared_context": run_shared_context, "greedy_none": run_greedy_none, "prefix_stream": run_prefix_stream, "streaming_input": run_streaming_input, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
+SCENARIOS = {"compare": run_compare, "fault_paths": run_fault_paths, "fault_prefix": run_fault_prefix, "greedy_exact": run_greedy_exact,
+             "hybrid": run_hybrid, "shared_context": run_shared_context, "greedy_none": run_greedy_none, "prefix_stream": run_prefix_stream, "streaming_input": run_streaming_input, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
              "short_moments": run_short_moments, "faults": run_faults,
              "parallel": run_parallel, "greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
              "preempt_abort": run_preempt_abort}
@@ -917,10 +1134,13 @@ def main(spec_path: str, out_path: str) -> None:
     res["attn_impl"] = runner.attn_groups[0][0].backend.__name__ \
         if runner is not None and hasattr(runner, "attn_groups") else None
     res["connector"] = type(core.scheduler.connector).__name__ if core.scheduler.connector else None
+    _log_rounds(core)
     for name in spec["scenarios"]:
         t = time.time()
+        print(f"contour-test: scenario {name} starts", file=sys.stderr, flush=True)
         SCENARIOS[name](llm, spec, res)
         res[f"{name}_s"] = time.time() - t
+        print(f"contour-test: scenario {name} took {res[f'{name}_s']:.1f} s", file=sys.stderr, flush=True)
     json.dump(res, open(out_path, "w"))
 
 

@@ -116,6 +116,19 @@ def test_summarise_metrics():
     assert math.isnan(empty["running"]) and empty["contour"] == {} and empty["failures_by_reason"] == {}
 
 
+def test_idle_needs_vllms_free_queue_empty_of_request_blocks():
+    """kv_usage reads the plugin's patched free count (blocks only shared compressed contexts hold count as
+    free); the idle check also needs the plugin's gauge of vLLM's own free queue at 0 (NaN: no plugin)."""
+    from benchmarks.soak import _idle
+
+    idle = METRICS.replace("0.0125", "0.0")
+    gauge = 'vllm:contour_pool_request_blocks{engine="0",model_name="smollm2"} %s\n'
+    assert math.isnan(summarise_metrics(idle)["request_blocks"]) and _idle(summarise_metrics(idle))
+    assert summarise_metrics(idle + gauge % "0.0")["request_blocks"] == 0 and _idle(summarise_metrics(idle + gauge % "0.0"))
+    leaked = summarise_metrics(idle + gauge % "3.0")
+    assert leaked["kv_usage"] == 0 and leaked["request_blocks"] == 3 and not _idle(leaked)
+
+
 def test_tally_classifies_outcomes():
     plan = [{"i": 0, "kind": "valid", "max_tokens": 4, "expect_field": None, "xargs": {}},
             {"i": 1, "kind": "valid", "max_tokens": 4, "expect_field": None, "xargs": {}},

@@ -159,6 +159,56 @@ def test_budget_at_least_the_prompt_plans_nothing():
         assert plan_round(caches, block_ids, 5 * bs, params, _budget(params, h, bs, d), 1.0) is None
 
 
+def test_budget_exactly_the_prompt_or_its_whole_blocks_plans_nothing_one_block_less_evicts():
+    """Boundaries of "evict only when the full blocks do not fit": budget = the prompt (a whole number of
+    blocks), a prompt whose full blocks are exactly ``N // bs`` (``E == N // bs``, its partial block on top),
+    and one token or one block less."""
+    h, bs, d, nb = 2, 16, 32, 30
+    caches = [cpu_cache(nb, h, bs, d, seed=s)[1:] for s in range(2)]
+    block_ids = [3, 9, 4, 20, 11, 7]
+    for moments in (False, True):
+        def plan(budget, n):
+            params = resolve_request(EvictionConfig(policy="streaming", budget=budget, moment_correction=moments,
+                                                    sink_tokens=2, recent_window=8), None)
+            return plan_round(caches, block_ids[: -(-n // bs)], n, params, _budget(params, h, bs, d), 1.0)
+
+        assert plan(5 * bs, 5 * bs) is None  # budget == prompt
+        assert plan(5 * bs, 5 * bs + 7) is None  # E == N // bs == 5, the partial block stays dense
+        assert plan(5 * bs - 1, 5 * bs) is not None  # N // bs == 4 < E == 5
+        assert plan(4 * bs, 5 * bs + 7) is not None  # E == N // bs + 1
+
+
+@pytest.mark.parametrize("budget", [96, 104, 97])
+def test_blocks_held_after_every_step_stay_within_the_documented_bound(budget):
+    """A short prompt decoding with rounds on the scheduler's clock (the first when budget + T tokens have KV,
+    then whenever the tail behind the region reaches T): the blocks held after every token equal the
+    documented bound at their peak, ``held_blocks_bound`` = max(N // bs + T // bs, ceil((N + T - 1) / bs)).
+    104 tokens (104 % 16 = 8) hold one block more while dense; 97 (97 % 16 = 1) does not."""
+    h, bs, d, layers, interval = 3, 16, 32, 2, 32
+    nb = 80
+    caches = [cpu_cache(nb, h, bs, d, seed=s)[1:] for s in range(layers)]
+    truth = _truth(layers, h, d, 600, seed=4)
+    req = _Request(caches, truth, bs, list(range(nb - 1, 0, -1)))
+    params = resolve_request(EvictionConfig(policy="knorm", budget=budget, recent_window=8, sink_tokens=2), None)
+    pb = _budget(params, h, bs, d)
+    bound = pb.held_blocks_bound(interval)
+    assert bound == {96: 8, 104: 9, 97: 8}[budget]
+    req.append(40)
+    held, lay, due, rounds = [], None, budget + interval, 0
+    while req.n < 400:
+        req.append(1)
+        if req.n == due:  # the round runs in this step, after the forward
+            plan = plan_round(caches, req.block_ids, req.n, params, pb, d ** -0.5, prev=lay)
+            assert plan is not None, req.n
+            lay = apply_round(caches, plan)
+            req.free(plan.freed_slots)
+            rounds += 1
+            due = lay.region_blocks * bs + interval
+        held.append(sum(1 for b in req.block_ids if b >= 0))
+    assert rounds >= 5
+    assert max(held) == bound, held
+
+
 def test_budget_below_the_floor_is_refused_naming_it():
     with pytest.raises(BudgetError, match=r"floor of 64 tokens.*--kv-sink-tokens, --kv-recent-window"):
         page_budget(40, num_kv_heads=3, block_size=32, head_dim=64, elem_size=4, sink_tokens=4,
@@ -263,6 +313,9 @@ def test_several_rounds_keep_original_tokens_and_decode_equals_dense_attention(p
     gq = torch.Generator().manual_seed(9)
     req.append(200)
     lay = None
+    bound = pb.held_blocks_bound(interval)
+    assert bound == budget // bs + interval // bs  # a whole number of blocks: no dense-phase block on top
+    held_trace = []
     for _ in range(5):
         w = 8
         qpos = torch.arange(req.n - w, req.n)
@@ -272,10 +325,14 @@ def test_several_rounds_keep_original_tokens_and_decode_equals_dense_attention(p
         assert plan is not None
         lay = apply_round(caches, plan)
         req.free(plan.freed_slots)
-        held = sum(1 for b in req.block_ids if b >= 0)
+        held_trace.append(sum(1 for b in req.block_ids if b >= 0))
         assert lay.kept_blocks <= budget // bs
-        assert held <= pb.held_blocks_bound(interval) + 1
-        req.append(interval)
+        # the scheduler's clock: the next round runs when the tail behind the region reaches T tokens; the
+        # blocks held after every generated token (one engine step each) stay within the formula
+        while req.n < lay.region_blocks * bs + interval:
+            req.append(1)
+            held_trace.append(sum(1 for b in req.block_ids if b >= 0))
+    assert max(held_trace) == bound, held_trace  # reached in each round's step, before the round frees
     tk, tv = truth
     e = lay.region_blocks
     tail_tokens = req.n - e * bs

@@ -290,3 +290,111 @@ def test_estimate_rate_follows_the_dtype_unless_given():
     assert protocol.rate_for("float32", 5.8) == 5.8
     with pytest.raises(SystemExit, match="--rate"):
         protocol.rate_for("float32", 0.0)
+
+
+# ------------------------------------------------------------------------------------------------- run()
+
+# A stand-in engine for run(): each method's measured mean KV per head is a line in its budget (plus a small
+# per-sample wobble), coverage grows with the budget; the floors are the plugin's own (budget.py).
+_MEAN = {"snapkv": (0.8, 20.0), "knorm": (0.5, 30.0), "keydiff": (0.6, 10.0), "knorm+mc": (0.9, 5.0)}
+
+
+class _FakeConn:
+    def __init__(self):
+        from types import SimpleNamespace
+
+        from vllm_contour.budget import CacheShape
+        from vllm_contour.config import EvictionConfig
+
+        self.config = EvictionConfig(policy="snapkv", budget=128)
+        self.scheduler_side = SimpleNamespace(shape=CacheShape(block_size=32, num_kv_heads=3, head_dim=64,
+                                                               elem_size=4))
+        self.totals = SimpleNamespace(kv_held={}, kv_held_evicting={})
+
+
+class _FakeLLM:
+    def __init__(self, conn):
+        self.conn, self.n = conn, 0
+
+    def get_tokenizer(self):
+        return None
+
+    def generate(self, prompts, sps, use_tqdm=False):
+        from types import SimpleNamespace
+
+        outs = []
+        for p, sp in zip(prompts, sps):
+            self.n += 1
+            x = sp.extra_args
+            key = x["kv_policy"] + ("+mc" if x.get("kv_moment_correction") else "")
+            wobble = (p["prompt_token_ids"][0] % 5 - 2) * 0.5
+            if key == "none":
+                mean, keep = 600.0, 40
+            else:
+                slope, off = _MEAN[key]
+                mean, keep = slope * x["kv_budget"] + off + wobble, min(40, x["kv_budget"] // 8)
+            rid = f"{self.n}-0a0b0c0d"
+            self.conn.totals.kv_held[rid] = self.conn.totals.kv_held_evicting[rid] = (mean, int(mean) + 16)
+            outs.append(SimpleNamespace(request_id=rid, outputs=[SimpleNamespace(token_ids=list(range(keep)))]))
+        return outs
+
+
+def _fake_samples(tok, per_play, context, cue, generated, max_plays=None):
+    return [{"id": f"recall/play{p}/{2000 + k * 1012}", "cluster": f"play{p}", "prompt": [p * 7 + k] * 3,
+             "context_len": context, "reference": list(range(40))}
+            for p in range(12) for k in range(per_play)]
+
+
+def _run_protocol(monkeypatch, methods, targets, budgets="64,128,256"):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(protocol, "recall_samples", _fake_samples)
+    args = SimpleNamespace(per_play=3, context=512, cue=16, generated=40, max_plays=None, holdout_share=0.5,
+                           methods=methods, baseline="snapkv", versus=None, budgets=budgets, targets=targets,
+                           alpha=0.05, n_boot=200, seed=0, model="fake", dtype="float32", out="unused", resume=False)
+    conn = _FakeConn()
+    return protocol.run(args, engine=(_FakeLLM(conn), conn))
+
+
+def _holdout_means(res, target):
+    tuned = {spec: t["chosen"] for spec, t in res["tuned"].items()}
+    return {spec: float(np.mean([r["mean_kv"] for r in res["holdout"][f"{tuned[spec]}@{b}"]]))
+            for spec, b in res["matched"][target].items()}
+
+
+def test_run_splits_by_play_matches_the_holdout_means_and_corrects_over_every_test(monkeypatch):
+    """run() on a stand-in engine: every window of a play falls on one side; the methods' matched budgets
+    differ (their mean cache grows differently with the budget) and their holdout means, read from the rows,
+    lie within MATCH_TOLERANCE of each other at each target; every confirmation uses alpha / (method pairs x
+    targets)."""
+    res = _run_protocol(monkeypatch, "snapkv,knorm,keydiff", "150,200")
+    clusters = {}
+    for sid, side in res["splits"].items():
+        clusters.setdefault(sid.split("/")[1], set()).add(side)
+    assert all(len(sides) == 1 for sides in clusters.values()), clusters
+    assert {next(iter(s)) for s in clusters.values()} == {"dev", "holdout"}
+    assert "(MD5 split by play)" in protocol.summary_markdown(res)
+    assert "(MD5 split)" in protocol.summary_markdown(dict(res, split_by=None))  # an earlier run's JSON
+    assert set(res["matched"]) == {"150.0", "200.0"}
+    for target, matched in res["matched"].items():
+        assert len(set(matched.values())) == 3, matched  # the matching moved the budgets apart
+        means = _holdout_means(res, target)
+        assert max(means.values()) - min(means.values()) <= protocol.MATCH_TOLERANCE, (target, means)
+        assert all(abs(m - float(target)) <= protocol.MATCH_TOLERANCE / 2 for m in means.values()), means
+        assert res["match"][target]["ok"] and res["match"][target]["clamped"] == [], res["match"][target]
+    assert res["tests"] == 2 * 2
+    cells = [c for per in res["confirm"].values() for c in per.values()]
+    assert len(cells) == 4 and all(c["alpha"] == pytest.approx(0.05 / 4) for c in cells)
+
+
+def test_run_reports_a_match_the_floor_clamp_broke(monkeypatch):
+    """At a 60-token target the moment-corrected method's matched budget (64) is below its floor (128 with the
+    moment pages): the clamp raises it, its holdout mean is off the target, and run() reports the match at
+    that target as broken, naming the method (the summary says so too)."""
+    res = _run_protocol(monkeypatch, "snapkv,knorm+mc", "60")
+    assert res["matched"]["60.0"] == {"snapkv": 64, "knorm+mc": 128}
+    means = _holdout_means(res, "60.0")
+    assert max(means.values()) - min(means.values()) > protocol.MATCH_TOLERANCE, means
+    m = res["match"]["60.0"]
+    assert not m["ok"] and m["clamped"] == ["knorm+mc"], m
+    assert "match broken at mean KV 60.0" in protocol.summary_markdown(res)

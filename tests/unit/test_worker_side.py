@@ -63,3 +63,30 @@ def test_release_without_moments_or_state_is_a_noop(side):
     ws._release_layout("never-seen")
     ws._clear_unread(None, "nothing")
     assert "c" not in st.requests and torch.equal(ws._views[0][0], before)
+
+
+def test_fault_switch_names_failures_and_limits_the_random_ones():
+    """TEST-ONLY switch: ``at`` names one failure of one request (a prefix with ``*``), which then gets no
+    random ones; ``only`` keeps the random ones to ids with a prefix; forward / metadata failures fire in the
+    N-th step a named request runs compacted; unknown keys are refused."""
+    from vllm_contour.integration.worker_side import FaultSwitch
+
+    fs = FaultSwitch("plan=1,apply=1,only=X,at=apply:FA*:1,at=plan:P0:2,at=forward:FF0:2,at=metadata:FM0:1")
+    assert fs.on
+    assert fs.hit("plan", "X3-0a1b2c3d", 1) and fs.hit("apply", "X3-0a1b2c3d", 5)  # random, rate 1
+    assert not fs.hit("plan", "Y3-0a1b2c3d", 1) and not fs.hit("apply", "Y3-0a1b2c3d", 1)  # not X*
+    assert fs.hit("apply", "FA7-0a1b2c3d", 1) and not fs.hit("apply", "FA7-0a1b2c3d", 2)
+    assert not fs.hit("plan", "FA7-0a1b2c3d", 1)
+    assert fs.hit("plan", "P0-0a1b2c3d", 2) and not fs.hit("plan", "P0-0a1b2c3d", 1)
+    assert not fs.hit("plan", "P01-0a1b2c3d", 2)  # no '*': the exact id only
+    st = SimpleNamespace(requests={"FF0-0a1b2c3d": SimpleNamespace(layout=object()),
+                                   "FM0-0a1b2c3d": SimpleNamespace(layout=None), "X1-0a1b2c3d": SimpleNamespace(layout=object())})
+    ids = ["FF0-0a1b2c3d", "FM0-0a1b2c3d", "X1-0a1b2c3d"]
+    assert fs.step_errors(ids, st) == {}  # FF0's 1st compacted step; FM0 is not compacted yet
+    st.requests["FM0-0a1b2c3d"].layout = object()
+    assert fs.step_errors(ids, st) == {"FF0-0a1b2c3d": "ragged decode: fault switch",
+                                       "FM0-0a1b2c3d": "metadata: fault switch"}
+    assert fs.step_errors(ids, st) == {}  # once each
+    assert FaultSwitch("").step_errors(ids, st) == {} and not FaultSwitch(None).on
+    with pytest.raises(ValueError, match="unknown key 'at'"):
+        FaultSwitch("at=explode:X:1")

@@ -127,8 +127,10 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side.apply(report)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self.scheduler_side.finished(request)
-        return False, None
+        """Blocks are freed at once; an evicting request's report goes back to the client in the output's
+        ``kv_transfer_params`` (``{"contour": ...}``, ``SchedulerSide.summary``)."""
+        summary = self.scheduler_side.finished(request)
+        return False, None if summary is None else {"contour": summary}
 
     def request_finished_all_groups(self, request: "Request", block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, [])

@@ -54,6 +54,8 @@ GAUGES = {
     "shared_context_entries": "Shared compressed contexts in the cache",
     "shared_context_blocks": "KV blocks of vLLM's pool the shared compressed contexts hold (paid once)",
     "shared_context_requests": "Running requests that hold a shared compressed context's pages",
+    "pool_request_blocks": "KV blocks out of vLLM's own free queue other than those only shared compressed "
+                           "contexts hold, after the step (0 on an idle server: nothing leaked)",
 }
 
 

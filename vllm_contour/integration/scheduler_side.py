@@ -78,6 +78,12 @@ class Tracked:
     # (seq, entry id, key, snapshot block or None) of a context round whose result becomes a shared entry
     publishing: tuple | None = None
     adopted: int | None = None  # the shared entry this request adopted (until it leaves or starts over)
+    asked: RequestEviction | None = None  # the settings it asked for (params goes None when a round fails)
+    rounds: int = 0  # rounds that succeeded
+    round_tokens: int = 0  # tokens with KV of the round in flight
+    first_round_at: int | None = None  # tokens with KV when its first round ran
+    last_round: tuple[int, int] | None = None  # (K, E) of its last round
+    last_held: int = 0  # blocks it held (vLLM's block list, null blocks left out) in its last step
 
 
 # a request whose blocks vLLM must not hash any more (see the module docstring)
@@ -207,6 +213,7 @@ class SchedulerSide:
         t = self.tracked.get(request.request_id)
         if t is None:
             t = self.tracked[request.request_id] = Tracked(request, self._resolve(request))
+            t.asked = t.params
             t.prefill_end = request.num_tokens
             if t.params is not None:
                 self._prepare(t)
@@ -239,8 +246,14 @@ class SchedulerSide:
             self._needs_queries[name] = build_policy(name).needs_queries
         t.needs_queries = self._needs_queries[name]
 
-    def finished(self, request: "Request") -> None:
+    def finished(self, request: "Request") -> dict | None:
+        """Forget a request; -> what eviction did to it (``summary``), None for a request that did not evict."""
         t = self.tracked.pop(request.request_id, None)
+        out = None
+        try:
+            out = self.summary(t) if t is not None and t.asked is not None else None
+        except Exception:  # never into vLLM
+            out = None
         self._adopt.pop(request.request_id, None)
         if t is not None:
             self._release_fresh(t)
@@ -255,6 +268,24 @@ class SchedulerSide:
                 if len(d) > 4096:
                     d.pop(next(iter(d)))
         self._recompute.pop(request.request_id, None)
+        return out
+
+    def summary(self, t: Tracked) -> dict:
+        """The per-request eviction report the client gets (vLLM's ``kv_transfer_params`` of the response, under
+        ``"contour"``): the settings the request ran with, its rounds (the first at how many tokens), the kept
+        (K) and compacted (E) blocks of its last round, its moment pages per layer, the blocks it held in its
+        last step and the peak KV tokens per head it held in vLLM's pool; ``failed``: a round failed and it went
+        on without eviction."""
+        p, b = t.asked, t.budget
+        return {"policy": p.policy, "budget": p.budget, "decode_interval": t.interval,
+                "moment_correction": bool(p.moment_correction), "context_len": p.context_len,
+                "sink_tokens": p.sink_tokens, "recent_window": p.recent_window, "window": p.window,
+                "policy_args": p.policy_args, "last_held_blocks": t.last_held,
+                "rounds": t.rounds, "first_round_at": t.first_round_at,
+                "kept_blocks": t.last_round[0] if t.last_round else None,
+                "region_blocks": t.last_round[1] if t.last_round else None,
+                "moment_pages": b.moment_pages if b is not None and t.rounds else 0,
+                "peak_kv_tokens": t.held_peak, "failed": t.params is None}
 
     def _clock(self, t: Tracked) -> ClockState:
         """Where an evicting request stands, for the round clock (``round_clock.py``)."""
@@ -327,6 +358,7 @@ class SchedulerSide:
         self._prepare(t)
         blocks = self._blocks(req.request_id)
         held = self._held(blocks)
+        t.last_held = sum(1 for b in blocks if not b.is_null)
         t.evicting_sum += held * self.block_size
         t.evicting_peak = max(t.evicting_peak, held * self.block_size)
         if self.num_groups > 1:  # KV tokens per head averaged over all layers: add the other groups' blocks
@@ -360,6 +392,7 @@ class SchedulerSide:
                 fresh = pool.get_new_blocks(n)
             t.seq += 1
             t.pending = t.seq
+            t.round_tokens = done
             if fresh is not None:
                 t.fresh = (t.seq, fresh)
             publish = None
@@ -538,6 +571,10 @@ class SchedulerSide:
         self._stats.add("rounds", 1)
         self._stats.add("freed_blocks", len(freed))
         self.totals.last[req_id] = (out["kept_blocks"], out["region_blocks"], len(freed))
+        t.rounds += 1
+        t.last_round = (out["kept_blocks"], out["region_blocks"])
+        if t.first_round_at is None:
+            t.first_round_at = t.round_tokens
         if len(self.totals.last) > 4096:
             self.totals.last.pop(next(iter(self.totals.last)))
         logger.debug("kv_eviction: %s round %d keeps %d blocks, region ends at %d, freed %d", req_id,
@@ -573,7 +610,18 @@ class SchedulerSide:
                                               "is finished with an error", req_id, reason)
 
     def take_stats(self) -> ContourStats | None:
-        if self._stats.is_empty():
+        """This step's stats (vLLM asks after the step's outputs were processed), with the blocks requests
+        hold read from vLLM's own free queue (its ``get_num_free_blocks`` counts blocks only shared compressed
+        contexts hold as free): sent every step, so an idle server's gauge is fresh."""
+        try:
+            if self.manager is not None:
+                pool = self.manager.block_pool
+                used = pool.num_gpu_blocks - 1 - pool.free_block_queue.num_free_blocks
+                only_shared = self.shared.reclaimable() if self.shared.entries else 0
+                self._stats.data["g:pool_request_blocks"] = used - only_shared
+        except Exception:  # never into vLLM
+            pass
+        if not self._stats.data:
             return None
         out, self._stats = self._stats, ContourStats()
         return out
