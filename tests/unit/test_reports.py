@@ -1,12 +1,12 @@
 """How the ranks' round outcomes merge (TP/PP): freed blocks are the intersection, private-block slots the
 union (a rank that wrote into a private block needs it, even where another rank left that slot empty)."""
 
-from vllm_contour.integration.reports import ContourReport, merge_outcomes
+from vllm_contour.integration.reports import ContourReport, Noop, PlanFailed, Recompute, Round
+from vllm_contour.integration.reports import merge as merge_outcomes
 
 
 def _round(freed, replaced=(), region=10, kept=2):
-    return {"kind": "round", "seq": 1, "region_blocks": region, "kept_blocks": kept, "freed": list(freed),
-            "replaced": list(replaced)}
+    return Round(1, region, kept, freed=tuple(freed), replaced=tuple(replaced))
 
 
 def test_freed_is_the_intersection_and_replaced_the_union():
@@ -14,19 +14,19 @@ def test_freed_is_the_intersection_and_replaced_the_union():
     a = _round([(2, 12), (3, 13), (4, 14)], [(0, 10, 50), (1, 11, 51)])
     b = _round([(3, 13), (4, 14)], [(0, 10, 50), (1, 11, 51), (2, 12, 52)], kept=3)
     m = merge_outcomes(a, b)
-    assert m["kind"] == "round" and m["kept_blocks"] == 3
-    assert m["freed"] == [(3, 13), (4, 14)]
-    assert m["replaced"] == [(0, 10, 50), (1, 11, 51), (2, 12, 52)]
-    assert merge_outcomes(b, a)["freed"] == [(3, 13), (4, 14)]
+    assert isinstance(m, Round) and m.kept_blocks == 3
+    assert m.freed == ((3, 13), (4, 14))
+    assert m.replaced == ((0, 10, 50), (1, 11, 51), (2, 12, 52))
+    assert merge_outcomes(b, a).freed == ((3, 13), (4, 14))
 
 
 def test_in_place_rounds_merge_as_before_and_disagreement_recomputes():
     m = merge_outcomes(_round([(2, 12), (3, 13)]), _round([(3, 13)]))
-    assert m["freed"] == [(3, 13)] and m["replaced"] == []
-    assert merge_outcomes(_round([]), _round([], region=9))["kind"] == "recompute"
-    assert merge_outcomes(_round([]), {"kind": "noop", "seq": 1})["kind"] == "recompute"
+    assert m.freed == ((3, 13),) and m.replaced == ()
+    assert isinstance(merge_outcomes(_round([]), _round([], region=9)), Recompute)
+    assert isinstance(merge_outcomes(_round([]), Noop(1)), Recompute)
     r = ContourReport({"x": _round([(2, 12)], [(0, 10, 50)])}).aggregate(ContourReport({"x": _round([(2, 12)])}))
-    assert r.entries["x"]["replaced"] == [(0, 10, 50)] and r.entries["x"]["freed"] == [(2, 12)]
+    assert r.entries["x"].replaced == ((0, 10, 50),) and r.entries["x"].freed == ((2, 12),)
 
 
 def test_pipeline_stages_free_a_block_only_when_every_stage_freed_it():
@@ -38,7 +38,6 @@ def test_pipeline_stages_free_a_block_only_when_every_stage_freed_it():
     report = ContourReport({"x": stage1[0]})
     for r in stage1[1:] + stage0:
         report = report.aggregate(ContourReport({"x": r}))
-    assert report.entries["x"]["freed"] == [(3, 13), (4, 14)] and report.entries["x"]["kept_blocks"] == 3
-    late = ContourReport({"x": stage0[0]}).aggregate(ContourReport({"x": {"kind": "plan_failed", "seq": 1,
-                                                                             "reason": "stage 1"}}))
-    assert late.entries["x"]["kind"] == "recompute"  # stages that disagree: the request starts over
+    assert report.entries["x"].freed == ((3, 13), (4, 14)) and report.entries["x"].kept_blocks == 3
+    late = ContourReport({"x": stage0[0]}).aggregate(ContourReport({"x": PlanFailed(1, "stage 1")}))
+    assert isinstance(late.entries["x"], Recompute)  # stages that disagree: the request starts over

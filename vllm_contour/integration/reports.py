@@ -7,15 +7,13 @@ item on every rank, and the requests whose output of this step is wrong.
 Every step the scheduler also sends each scheduled request's row key (the block of its first new token)
 and epoch (``keys``, see ``state.py``).
 
-An outcome is a dict: ``{"kind": "round", "seq", "region_blocks", "kept_blocks", "freed": [(slot,
-block_id), ...], "replaced": [(slot, old_id, new_id), ...], "published": entry id or None}``
-(``replaced``: the round packed into private blocks, which take those slots; ``published``: the worker
-kept the round's layout and the partial block's snapshot as a shared compressed context),
-``{"kind": "noop", "seq"}`` (nothing to evict), ``{"kind": "plan_failed", "seq", "reason"}`` (nothing
-moved) or ``{"kind": "recompute", "seq", "reason"}`` (bytes moved, then it failed).
-Ranks merge (``aggregate``): a block is freed only when every rank freed it, a slot is replaced when any
-rank wrote into its private block; ranks that disagree on the
-outcome or the region make the request recompute (their caches no longer describe one request).
+An outcome is typed: ``Round`` (``freed``: the ``(slot, block id)`` pairs that hold nothing now; ``replaced``:
+``(slot, old id, new id)``, the round packed into private blocks, which take those slots; ``published``: the
+worker kept the round's layout and the partial block's snapshot as a shared compressed context), ``Noop``
+(nothing to evict), ``PlanFailed`` (nothing moved) or ``Recompute`` (bytes moved, then it failed). Ranks and
+pipeline stages merge (``merge``): a block is freed only when every rank freed it, a slot is replaced when any
+rank wrote into its private block; ranks that disagree on the outcome or the region make the request
+recompute (their caches no longer describe one request).
 """
 
 from __future__ import annotations
@@ -37,29 +35,57 @@ class ContourMetadata(KVConnectorMetadata):
     shared_dropped: list[int] = field(default_factory=list)  # shared contexts the workers forget
 
 
-def merge_outcomes(a: dict, b: dict) -> dict:
-    if a["kind"] == "recompute":
+@dataclass(frozen=True)
+class Noop:
+    seq: int
+
+
+@dataclass(frozen=True)
+class PlanFailed:
+    seq: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Recompute:
+    seq: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Round:
+    seq: int
+    region_blocks: int
+    kept_blocks: int
+    freed: tuple[tuple[int, int], ...] = ()  # (slot, block id)
+    replaced: tuple[tuple[int, int, int], ...] = ()  # (slot, original id, private id)
+    published: int | None = None
+
+
+Outcome = Round | Noop | PlanFailed | Recompute
+
+
+def merge(a: Outcome, b: Outcome) -> Outcome:
+    """Two ranks' (or pipeline stages') outcomes of one request's round."""
+    for x in (a, b):
+        if isinstance(x, Recompute):
+            return x
+    if type(a) is not type(b) or a.seq != b.seq:
+        return Recompute(a.seq, f"ranks disagree on the round ({type(a).__name__} vs {type(b).__name__})")
+    if not isinstance(a, Round):
         return a
-    if b["kind"] == "recompute":
-        return b
-    if a["kind"] != b["kind"] or a.get("seq") != b.get("seq"):
-        return {"kind": "recompute", "seq": a.get("seq"),
-                "reason": f"ranks disagree on the round ({a['kind']} vs {b['kind']})"}
-    if a["kind"] != "round":
-        return a
-    if a["region_blocks"] != b["region_blocks"]:
-        return {"kind": "recompute", "seq": a["seq"], "reason": "ranks disagree on the compacted region"}
-    mine = {tuple(x) for x in b["freed"]}
-    replaced = {x[0]: tuple(x) for x in list(a.get("replaced", ())) + list(b.get("replaced", ()))}
-    published = a.get("published") if a.get("published") == b.get("published") else None
-    return {"kind": "round", "seq": a["seq"], "region_blocks": a["region_blocks"], "published": published,
-            "kept_blocks": max(a["kept_blocks"], b["kept_blocks"]),
-            "freed": [tuple(x) for x in a["freed"] if tuple(x) in mine and x[0] not in replaced],
-            "replaced": sorted(replaced.values())}
+    if a.region_blocks != b.region_blocks:
+        return Recompute(a.seq, "ranks disagree on the compacted region")
+    mine = set(b.freed)
+    replaced = {x[0]: x for x in a.replaced + b.replaced}
+    return Round(a.seq, a.region_blocks, max(a.kept_blocks, b.kept_blocks),
+                 freed=tuple(x for x in a.freed if x in mine and x[0] not in replaced),
+                 replaced=tuple(sorted(replaced.values())),
+                 published=a.published if a.published == b.published else None)
 
 
 class ContourReport(KVConnectorWorkerMetadata):
-    def __init__(self, entries: dict[str, dict] | None = None, forward_errors: dict[str, str] | None = None):
+    def __init__(self, entries: dict[str, Outcome] | None = None, forward_errors: dict[str, str] | None = None):
         self.entries = dict(entries or {})
         self.forward_errors = dict(forward_errors or {})
 
@@ -67,7 +93,7 @@ class ContourReport(KVConnectorWorkerMetadata):
         assert isinstance(other, ContourReport)
         merged = dict(self.entries)
         for req_id, out in other.entries.items():
-            merged[req_id] = merge_outcomes(merged[req_id], out) if req_id in merged else out
+            merged[req_id] = merge(merged[req_id], out) if req_id in merged else out
         errors = dict(self.forward_errors)
         errors.update(other.forward_errors)
         return ContourReport(merged, errors)

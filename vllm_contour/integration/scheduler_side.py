@@ -41,7 +41,8 @@ from vllm_contour import round_clock
 from vllm_contour.budget import CacheShape, PageBudget, decode_interval_for, request_budget
 from vllm_contour.config import EvictionConfig, RequestEviction, resolve_request
 from vllm_contour.integration.metrics import ContourStats
-from vllm_contour.integration.reports import ContourMetadata, ContourReport
+from vllm_contour.integration.reports import (ContourMetadata, ContourReport, Noop, Outcome, PlanFailed, Recompute,
+                                              Round)
 from vllm_contour.integration.shared_contexts import SharedContexts
 from vllm_contour.integration.state import CaptureItem, RoundItem
 from vllm_contour.policies import build_policy
@@ -203,10 +204,8 @@ class SchedulerSide:
         t.adopted = e.entry_id
         self._adopt[req_id] = e.entry_id
         self._stop_hashing(req_id)
-        self.totals.evicted_requests += 1
-        self.totals.shared_hits += 1
-        self._stats.add("evicted_requests", 1)
-        self._stats.add("shared_context_hits", 1)
+        self._event("evicted_requests")
+        self._event("shared_hits", stat="shared_context_hits")
         self._stats.add("shared_context_hit_tokens", e.context_len)
 
     def _track(self, request: "Request") -> Tracked:
@@ -440,15 +439,14 @@ class SchedulerSide:
             self.shared.release_user(t.request.request_id)
             t.adopted = None
 
-    def _publish(self, t: Tracked, out: dict, blocks) -> None:
+    def _publish(self, t: Tracked, out: Round, blocks) -> None:
         """The context round succeeded: its compacted region (+ the partial block's snapshot) is an entry."""
         seq, eid, key, snap = t.publishing
-        if seq != out.get("seq") or out.get("published") != eid or \
-                out["region_blocks"] != t.params.context_len // self.block_size:
+        if seq != out.seq or out.published != eid or out.region_blocks != t.params.context_len // self.block_size:
             self._release_publishing(t)
             return
         t.publishing = None
-        table = list(blocks[: out["region_blocks"]])
+        table = list(blocks[: out.region_blocks])
         self.manager.block_pool.touch([b for b in table if not b.is_null])
         if snap is not None:
             table.append(snap)
@@ -505,80 +503,77 @@ class SchedulerSide:
                 if t is not None:
                     t.params = None
 
-    def _apply_one(self, req_id: str, out: dict) -> None:
+    def _apply_one(self, req_id: str, out: Outcome) -> None:
         t = self.tracked.get(req_id)
         req = t.request if t is not None else None
-        if t is None or req is None or req.is_finished() or t.pending != out.get("seq"):
-            self.totals.stale_reports += 1
-            self._stats.add("stale_reports", 1)
+        if t is None or req is None or req.is_finished() or t.pending != out.seq:
+            self._event("stale_reports")
             return
         t.pending = None
-        fresh = t.fresh[1] if t.fresh is not None and t.fresh[0] == out.get("seq") else []
-        kind = out["kind"]
-        if kind != "round":
+        fresh = t.fresh[1] if t.fresh is not None and t.fresh[0] == out.seq else []
+        if not isinstance(out, Round):
             self._release_fresh(t)
             self._release_publishing(t)
-        if kind == "noop":
+        if isinstance(out, Noop):
             if not t.compacted:
                 t.retry_at = round_clock.retry_after_noop(t.retry_at, req.num_computed_tokens, t.interval,
                                                           self.block_size)
             return
-        if kind == "plan_failed":
-            self._fail(req_id, "plan", out.get("reason", ""))
+        if isinstance(out, PlanFailed):
+            self._fail(req_id, "plan", out.reason)
             t.params = None  # nothing moved: served as it is, no more rounds
             return
-        if kind == "recompute":
-            self._fail(req_id, "apply", out.get("reason", ""))
+        if isinstance(out, Recompute):
+            self._fail(req_id, "apply", out.reason)
             t.params = None
-            self._recompute[req_id] = out.get("reason", "")
+            self._recompute[req_id] = out.reason
             return
         blocks = self._blocks(req_id)
         pool = self.manager.block_pool
-        frees = out["freed"]
-        replaced = out.get("replaced") or []
         by_id = {b.block_id: b for b in fresh}
-        if any(s >= len(blocks) or blocks[s].is_null or blocks[s].block_id != b for s, b in frees) or \
-                any(s >= len(blocks) or blocks[s].block_id != old or new not in by_id for s, old, new in replaced):
+        if any(s >= len(blocks) or blocks[s].is_null or blocks[s].block_id != b for s, b in out.freed) or \
+                any(s >= len(blocks) or blocks[s].block_id != old or new not in by_id for s, old, new in out.replaced):
             self._release_fresh(t)
             self._release_publishing(t)
-            self.totals.stale_reports += 1
-            self._stats.add("stale_reports", 1)
+            self._event("stale_reports")
             return
-        released = [blocks[s] for s, _ in frees] + [blocks[s] for s, _, _ in replaced]
-        for s, _ in frees:
+        released = [blocks[s] for s, _ in out.freed] + [blocks[s] for s, _, _ in out.replaced]
+        for s, _ in out.freed:
             blocks[s] = pool.null_block
-        for s, _, new in replaced:
+        for s, _, new in out.replaced:
             blocks[s] = by_id[new]
-        self._release_fresh(t, keep={new for _, _, new in replaced})
+        self._release_fresh(t, keep={new for _, _, new in out.replaced})
         pool.free_blocks(released)
         # freed: blocks whose last reference this was (a shared or cached-prefix block stays with others)
         freed = [b for b in released if b.ref_cnt == 0]
-        if replaced:
-            self.totals.private_blocks += len(replaced)
-            self._stats.add("private_blocks", len(replaced))
+        if out.replaced:
+            self._event("private_blocks", len(out.replaced))
             self._leave_entry(t)  # copy on write: it holds its own copy of the kept pages now
         if t.publishing is not None:
             self._publish(t, out, blocks)
         if self._caching:  # its blocks now hold KV computed over a compressed cache: never hash them
             self._stop_hashing(req_id)
         if not t.compacted:
-            self.totals.evicted_requests += 1
-            self._stats.add("evicted_requests", 1)
+            self._event("evicted_requests")
         t.compacted = True
-        t.region_blocks = out["region_blocks"]
-        self.totals.rounds += 1
-        self.totals.freed_blocks += len(freed)
-        self._stats.add("rounds", 1)
-        self._stats.add("freed_blocks", len(freed))
-        self.totals.last[req_id] = (out["kept_blocks"], out["region_blocks"], len(freed))
+        t.region_blocks = out.region_blocks
+        self._event("rounds")
+        self._event("freed_blocks", len(freed))
+        self.totals.last[req_id] = (out.kept_blocks, out.region_blocks, len(freed))
         t.rounds += 1
-        t.last_round = (out["kept_blocks"], out["region_blocks"])
+        t.last_round = (out.kept_blocks, out.region_blocks)
         if t.first_round_at is None:
             t.first_round_at = t.round_tokens
         if len(self.totals.last) > 4096:
             self.totals.last.pop(next(iter(self.totals.last)))
         logger.debug("kv_eviction: %s round %d keeps %d blocks, region ends at %d, freed %d", req_id,
-                     out["seq"], out["kept_blocks"], out["region_blocks"], len(freed))
+                     out.seq, out.kept_blocks, out.region_blocks, len(freed))
+
+    def _event(self, name: str, n: int = 1, stat: str | None = None) -> None:
+        """One event, counted once: the process's totals (tests, logs) and the step's stats (metrics,
+        ``vllm:contour_<stat or name>_total``)."""
+        setattr(self.totals, name, getattr(self.totals, name) + n)
+        self._stats.add(stat or name, n)
 
     # ------------------------------------------------------------------ failures
     def _count_failure(self, reason: str) -> None:

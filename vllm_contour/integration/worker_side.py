@@ -24,7 +24,8 @@ from vllm_contour.budget import CacheShape, request_budget
 from vllm_contour.config import EvictionConfig
 from vllm_contour.evictor import FaultInjected, apply_round, clear_moment_pages, plan_round
 from vllm_contour.integration.metrics import ContourStats
-from vllm_contour.integration.reports import ContourMetadata, ContourReport
+from vllm_contour.integration.reports import (ContourMetadata, ContourReport, Noop, Outcome, PlanFailed,
+                                              Recompute, Round)
 from vllm_contour.integration.state import QueryRing, RoundItem, worker_state
 from vllm_contour.policies import build_policy
 
@@ -121,7 +122,7 @@ class WorkerSide:
         self._shape: CacheShape | None = None
         self._scale: float | None = None
         self._stage_layers: tuple[int, int] | None = None
-        self._report: dict[str, dict] = {}
+        self._report: dict[str, Outcome] = {}
         self._stats = ContourStats()
         self._policies: dict[tuple, object] = {}
         self.faults = FaultSwitch(os.environ.get(FAULTS_ENV))
@@ -319,10 +320,10 @@ class WorkerSide:
                               policy=self._policy(item.params), fresh_ids=item.fresh_ids,
                               layers=self._stage_layers)
         except Exception as e:
-            self._report[req_id] = {"kind": "plan_failed", "seq": item.seq, "reason": f"{type(e).__name__}: {e}"}
+            self._report[req_id] = PlanFailed(item.seq, f"{type(e).__name__}: {e}")
             return
         if plan is None:
-            self._report[req_id] = {"kind": "noop", "seq": item.seq}
+            self._report[req_id] = Noop(item.seq)
             return
         t1 = time.perf_counter()
         try:
@@ -331,19 +332,18 @@ class WorkerSide:
         except Exception as e:
             reason = f"{type(e).__name__}: {e}"
             if plan.fresh:  # only the private blocks were written: the request's cache is as it was
-                self._report[req_id] = {"kind": "plan_failed", "seq": item.seq, "reason": f"apply: {reason}"}
+                self._report[req_id] = PlanFailed(item.seq, f"apply: {reason}")
                 return
             st.drop(req_id)  # its cache no longer matches any layout: the scheduler recomputes it
             for lay in (prev, plan.layout):
                 self._clear_unread(lay, req_id)
-            self._report[req_id] = {"kind": "recompute", "seq": item.seq, "reason": reason}
+            self._report[req_id] = Recompute(item.seq, reason)
             return
         t2 = time.perf_counter()
         st.set_layout(req_id, layout)
-        self._report[req_id] = {"kind": "round", "seq": item.seq, "region_blocks": layout.region_blocks,
-                                "kept_blocks": layout.kept_blocks,
-                                "freed": list(zip(plan.freed_slots, plan.freed_blocks)),
-                                "replaced": plan.replaced, "published": self._publish(item, layout)}
+        self._report[req_id] = Round(item.seq, layout.region_blocks, layout.kept_blocks,
+                                     freed=tuple(zip(plan.freed_slots, plan.freed_blocks)),
+                                     replaced=tuple(map(tuple, plan.replaced)), published=self._publish(item, layout))
         self._stats.add("policy_seconds", t1 - t0)
         self._stats.add("compact_seconds", t2 - t1)
         self._stats.add("tokens_evicted", plan.evicted_tokens / max(1, layout.num_layers * layout.num_kv_heads))
