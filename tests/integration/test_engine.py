@@ -20,13 +20,19 @@ def _bound(budget: int, interval: int, moments: bool = False) -> int:
 
 
 def _expected_rounds(prompt: int, generated: int, budget: int, interval: int, bs: int = 32) -> int:
-    """The rounds the README's clock implies for one request: the first at the prompt end when the prompt is at
-    least budget + T, else once budget + T tokens have KV; then whenever the tail behind the compacted region
-    E reaches T (E * bs + T tokens). The last step computes prompt + generated - 1 tokens."""
-    last, due, n = prompt + generated - 1, max(prompt, budget + interval), 0
-    while due <= last:
+    """The rounds the plugin's round clock (``round_clock.next_round``) implies for one request decoding one
+    token a step; each round compacts up to the last full block (E = tokens with KV // bs). The last step
+    computes prompt + generated - 1 tokens."""
+    from vllm_contour.round_clock import ClockState, next_round
+
+    s = ClockState(prefill_end=prompt, budget=budget, interval=interval, block_size=bs)
+    last, n = prompt + generated - 1, 0
+    due = next_round(s)
+    while due is not None and due <= last:
         n += 1
-        due = due // bs * bs + interval
+        s = ClockState(prefill_end=prompt, budget=budget, interval=interval, block_size=bs, tried=True,
+                       compacted=True, region_blocks=due // bs)
+        due = next_round(s)
     return n
 
 
