@@ -169,8 +169,10 @@ def test_fast_ops_give_the_torch_reference_greedy_tokens(evicting, evicting_torc
     assert fast.get("ragged_decode_attention:cpp", 0) > 0, fast
     # moment storage is layout-generic torch by design (a copy of a few pages); every other op is C++
     assert not any(k.endswith(":torch") for k in fast if not k.split(":")[0].endswith("_moments")), fast
+    # compacted rows reach the decode op through per-token tables on CPU ("tables", the same with both)
     assert set(ref) == {"compact:torch", "accumulate_moments:torch", "ragged_decode_attention:torch",
-                        "store_moments:torch", "load_moments:torch"}, ref
+                        "store_moments:torch", "load_moments:torch", "compacted_attention:tables"}, ref
+    assert fast.get("compacted_attention:tables", 0) == fast["ragged_decode_attention:cpp"], fast
     out = evicting["greedy_evicted"]
     assert all(v and len(v) == 80 for v in out.values()), out
     assert out == evicting_torch_ops["greedy_evicted"]

@@ -41,6 +41,20 @@ def eviction_enabled() -> bool:
     return EvictionConfig.from_additional_config(cfg.additional_config).enabled
 
 
+class ContourBackend:
+    """Mixed in before a vLLM attention backend: with eviction on, its full-attention layers get the spec
+    whose KV cache group vLLM's registry hands to the plugin's block-table manager (``manager.py``)."""
+
+    @classmethod
+    def customize_spec(cls, spec):
+        spec = super().customize_spec(spec)
+        if not eviction_enabled():
+            return spec
+        from vllm_contour.integration.manager import evicting_spec
+
+        return evicting_spec(spec)
+
+
 class ContourBuilder:
     """Mixed in before a vLLM metadata builder: ``build`` as vLLM's, plus the step's compacted rows."""
 
@@ -160,7 +174,7 @@ class ContourCPUAttentionImpl(ContourImpl, CPUAttentionBackendImpl):
     kv_views = staticmethod(layer_kv_views)
 
 
-class ContourCPUAttentionBackend(CPUAttentionBackend):
+class ContourCPUAttentionBackend(ContourBackend, CPUAttentionBackend):
     """Registered over ``CPU_ATTN``."""
 
     @staticmethod

@@ -62,8 +62,9 @@ def register() -> None:
     from vllm.logger import init_logger
 
     logger = init_logger("vllm.contour")
-    from vllm_contour.integration import platforms
+    from vllm_contour.integration import manager, platforms
 
+    manager.register()  # the evicting group's block-table manager, by its spec type (inert with eviction off)
     platform = platforms.current()
     if platform is not None:  # inert with eviction off: it hands out vLLM's own builder and impl
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend

@@ -41,6 +41,7 @@ from vllm_contour import round_clock
 from vllm_contour.budget import CacheShape, PageBudget, decode_interval_for, request_budget
 from vllm_contour.config import EvictionConfig, RequestEviction, resolve_request
 from vllm_contour.integration.metrics import ContourStats
+from vllm_contour.integration.manager import NO_MORE_HASHING
 from vllm_contour.integration.reports import (ContourMetadata, ContourReport, Noop, Outcome, PlanFailed, Recompute,
                                               Round)
 from vllm_contour.integration.shared_contexts import SharedContexts
@@ -88,7 +89,6 @@ class Tracked:
 
 
 # a request whose blocks vLLM must not hash any more (see the module docstring)
-_NO_MORE_HASHING = 1 << 40
 
 
 @dataclass
@@ -130,7 +130,14 @@ class SchedulerSide:
         self._entry_ids: set[int] = set()  # blocks the shared contexts hold (this step)
 
     def bind(self, kv_cache_manager: "KVCacheManager") -> None:
+        from vllm_contour.integration.manager import EvictingAttentionManager
+
         self.manager = kv_cache_manager
+        mgr = kv_cache_manager.coordinator.single_type_managers[self.group]
+        if not isinstance(mgr, EvictingAttentionManager):
+            raise ValueError(f"kv_eviction: the evicting KV cache group is managed by {type(mgr).__name__}, not "
+                             "the plugin's EvictingAttentionManager (is another attention backend in use?)")
+        self.evicting = mgr
         if self._caching and self.config.share_contexts and self.num_groups == 1:
             self.shared.bind(kv_cache_manager)
 
@@ -484,13 +491,16 @@ class SchedulerSide:
             self.manager.block_pool.free_blocks(back)
 
     def _blocks(self, req_id: str):
-        return self.manager.coordinator.single_type_managers[self.group].req_to_blocks.get(req_id, [])
+        return self.evicting.blocks(req_id)
 
     def _stop_hashing(self, req_id: str) -> None:
         """Every group (a hybrid model's sliding-window layers too: their KV after the round was computed
-        over the compressed full-attention layers)."""
+        over the compressed full-attention layers); those are vLLM's own managers (``vllm_hooks``)."""
         for mgr in self.manager.coordinator.single_type_managers:
-            mgr.num_cached_block[req_id] = _NO_MORE_HASHING
+            if mgr is self.evicting:
+                mgr.stop_hashing(req_id)
+            else:
+                mgr.num_cached_block[req_id] = NO_MORE_HASHING
 
     def apply(self, report: ContourReport) -> None:
         """The workers' outcomes of this step's rounds."""
@@ -528,22 +538,14 @@ class SchedulerSide:
             t.params = None
             self._recompute[req_id] = out.reason
             return
-        blocks = self._blocks(req_id)
-        pool = self.manager.block_pool
-        by_id = {b.block_id: b for b in fresh}
-        if any(s >= len(blocks) or blocks[s].is_null or blocks[s].block_id != b for s, b in out.freed) or \
-                any(s >= len(blocks) or blocks[s].block_id != old or new not in by_id for s, old, new in out.replaced):
+        released = self.evicting.rewrite(req_id, out.freed, out.replaced, {b.block_id: b for b in fresh})
+        if released is None:  # the request's table no longer matches the report
             self._release_fresh(t)
             self._release_publishing(t)
             self._event("stale_reports")
             return
-        released = [blocks[s] for s, _ in out.freed] + [blocks[s] for s, _, _ in out.replaced]
-        for s, _ in out.freed:
-            blocks[s] = pool.null_block
-        for s, _, new in out.replaced:
-            blocks[s] = by_id[new]
         self._release_fresh(t, keep={new for _, _, new in out.replaced})
-        pool.free_blocks(released)
+        blocks = self._blocks(req_id)
         # freed: blocks whose last reference this was (a shared or cached-prefix block stays with others)
         freed = [b for b in released if b.ref_cnt == 0]
         if out.replaced:

@@ -19,7 +19,7 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from vllm_contour.integration.backend import ContourBuilder, ContourImpl, eviction_enabled
+from vllm_contour.integration.backend import ContourBackend, ContourBuilder, ContourImpl, eviction_enabled
 
 
 def layer_kv_views(kv_cache, **_):
@@ -37,7 +37,7 @@ class ContourTritonAttentionImpl(ContourImpl, TritonAttentionImpl):
     kv_views = staticmethod(layer_kv_views)
 
 
-class ContourTritonAttentionBackend(TritonAttentionBackend):
+class ContourTritonAttentionBackend(ContourBackend, TritonAttentionBackend):
     @staticmethod
     def get_name() -> str:
         return "TRITON_ATTN"

@@ -77,13 +77,20 @@ HOOKS: tuple[Hook, ...] = (
          "blocks a round emptied go back to the pool", "integration/scheduler_side.py"),
     Hook("vllm.v1.core.block_pool:BlockPool.touch", ("self", "blocks"), "called",
          "a shared compressed context's blocks are taken by a request", "integration/scheduler_side.py"),
-    Hook("vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager.req_to_blocks", None, "written",
-         "a round's emptied slots become vLLM's null block, private blocks take their slots",
-         "integration/scheduler_side.py"),
-    Hook("vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager.num_cached_block", None, "written",
-         "a compacted request's blocks are not hashed any more", "integration/scheduler_side.py"),
-    Hook("vllm.v1.core.block_pool:BlockPool.null_block", None, "read", "the null block of emptied slots",
-         "integration/scheduler_side.py"),
+    Hook("vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager.req_to_blocks", None,
+         "read (other groups)", "the KV-held metrics of a hybrid model count its sliding-window groups' blocks "
+         "(the evicting group's table is the plugin's own manager's)", "integration/scheduler_side.py"),
+    Hook("vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager.num_cached_block", None,
+         "written (other groups)", "a hybrid model's sliding-window groups stop hashing a compacted request "
+         "too (their KV was computed over the compressed layers)", "integration/scheduler_side.py"),
+    Hook("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.__init__",
+         ("self", "kv_cache_spec", "block_pool", "enable_caching", "kv_cache_group_id", "scheduler_block_size",
+          "dcp_world_size", "pcp_world_size", "needs_kv_cache_zeroing", "max_admission_blocks_per_request"),
+         "subclassed", "EvictingAttentionManager: the evicting group's block tables (chosen by vLLM's registry)",
+         "integration/manager.py"),
+    Hook("vllm.v1.kv_cache_spec_registry:KVCacheSpecRegistry._ensure_registered", ("cls", "vllm_config"),
+         "called", "vLLM registers its built-in specs only into an empty registry: first, then the plugin's",
+         "integration/manager.py"),
 )
 
 

@@ -1,0 +1,101 @@
+"""The evicting group's block-table manager over vLLM's real BlockPool: a round's freed slots become the null
+block and return to vLLM's free queue, private blocks take the slots of originals another request still
+holds, stale reports change nothing; vLLM's registry hands the manager to the plugin's spec and to nothing
+else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def pool_and_manager():
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_contour.integration.manager import EvictingAttentionManager, evicting_spec
+
+    pool = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=32)
+    spec = evicting_spec(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32))
+    mgr = EvictingAttentionManager(spec, block_pool=pool, enable_caching=True, kv_cache_group_id=0,
+                                   scheduler_block_size=32)
+    return pool, mgr
+
+
+def _free(pool) -> int:
+    return pool.free_block_queue.num_free_blocks  # vLLM's own free queue
+
+
+def test_a_round_nulls_and_frees_its_slots(pool_and_manager):
+    pool, mgr = pool_and_manager
+    blocks = pool.get_new_blocks(6)
+    mgr.req_to_blocks["r"].extend(blocks)
+    before = _free(pool)
+    ids = [b.block_id for b in blocks]
+    released = mgr.rewrite("r", ((2, ids[2]), (3, ids[3])), (), {})
+    assert [b.block_id for b in released] == [ids[2], ids[3]] and all(b.ref_cnt == 0 for b in released)
+    assert _free(pool) == before + 2
+    table = mgr.blocks("r")
+    assert table[2].is_null and table[3].is_null and [b.block_id for b in table[:2]] == ids[:2]
+
+
+def test_private_blocks_take_the_slots_of_shared_originals(pool_and_manager):
+    pool, mgr = pool_and_manager
+    blocks = pool.get_new_blocks(4)
+    pool.touch(blocks[:2])  # another request holds the first two too
+    mgr.req_to_blocks["r"].extend(blocks)
+    private = {b.block_id: b for b in pool.get_new_blocks(2)}
+    p0, p1 = list(private)
+    before = _free(pool)
+    released = mgr.rewrite("r", ((2, blocks[2].block_id),),
+                           ((0, blocks[0].block_id, p0), (1, blocks[1].block_id, p1)), private)
+    assert [b.block_id for b in mgr.blocks("r")[:2]] == [p0, p1] and mgr.blocks("r")[2].is_null
+    assert [b.ref_cnt for b in released] == [0, 1, 1]  # the originals stay with the other request
+    assert _free(pool) == before + 1
+
+
+def test_a_stale_report_changes_nothing(pool_and_manager):
+    pool, mgr = pool_and_manager
+    blocks = pool.get_new_blocks(3)
+    mgr.req_to_blocks["r"].extend(blocks)
+    before = _free(pool)
+    assert mgr.rewrite("r", ((1, blocks[2].block_id),), (), {}) is None  # the slot holds another block
+    assert mgr.rewrite("r", ((5, 99),), (), {}) is None  # no such slot
+    assert mgr.rewrite("r", (), ((0, blocks[0].block_id, 77),), {}) is None  # no such private block
+    assert mgr.blocks("r") == blocks and _free(pool) == before
+    mgr.stop_hashing("r")
+    assert mgr.num_cached_block["r"] > 10 ** 9
+
+
+def test_vllms_registry_picks_the_manager_for_the_plugins_spec_only():
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from vllm_contour.integration import manager
+
+    manager.register()
+    manager.register()  # idempotent (every process loads the plugin, some twice)
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    ours = manager.evicting_spec(full)
+    assert isinstance(ours, manager.EvictingAttentionSpec) and ours.page_size_bytes == full.page_size_bytes
+    assert KVCacheSpecRegistry.get_manager_class(ours) is manager.EvictingAttentionManager
+    assert KVCacheSpecRegistry.get_manager_class(full) is FullAttentionManager
+    assert KVCacheSpecRegistry.get_uniform_type_base_spec(ours) is FullAttentionSpec
+    sliding = SlidingWindowSpec(block_size=32, num_kv_heads=1, head_size=256, dtype=torch.float32, sliding_window=512)
+    assert manager.evicting_spec(sliding) is sliding
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "none"])
+def test_the_backend_gives_full_attention_layers_the_plugins_spec_with_eviction_on(policy):
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_contour.integration.backend import ContourCPUAttentionBackend
+    from vllm_contour.integration.manager import EvictingAttentionSpec
+
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    with set_current_vllm_config(VllmConfig(additional_config={"kv_eviction": {"policy": policy}})):
+        spec = ContourCPUAttentionBackend.customize_spec(full)
+    assert isinstance(spec, EvictingAttentionSpec) == (policy != "none")
