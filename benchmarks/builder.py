@@ -29,7 +29,7 @@ LAYERS, H, BS = 30, 3, 32
 
 
 def scenario(n: int, seed: int = 0):
-    from tests.unit.page_table_cases import Req, batch_tensors, key_of, random_layout
+    from benchmarks.page_table_cases import Req, batch_tensors, key_of, random_layout
 
     rnd = random.Random(seed)
     free = list(range(1, 20000))

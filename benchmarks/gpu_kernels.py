@@ -551,7 +551,7 @@ def step_rows(dev, dtype, s: dict, reps: int) -> dict:
     import random
 
     import triton_ops
-    from tests.unit.page_table_cases import batch_tensors, key_of, make_request
+    from benchmarks.page_table_cases import batch_tensors, key_of, make_request
     from vllm_contour.ops.reference import ragged_decode_attention_ref
     from vllm_contour.page_tables import PageTables
 

@@ -2,9 +2,9 @@
 class (vLLM's ``TritonAttentionBackend`` / impl / builder with the plugin's row logic) under Triton's
 interpreter (``tests/integration/triton_on_cpu.py``), with every op of the rounds and the compacted rows on
 the Triton kernels (``VLLM_CONTOUR_OPS_IMPL=triton``). Compared with the CPU backend on the same tiny model:
-eviction off gives stock tokens, a budget above the prompt gives them too, and at budgets that compact
-(decode rounds every 32 tokens, and MomentKV with its correction) the tokens and the blocks each request
-holds in vLLM's pool after every step equal the C++ path's."""
+eviction off gives stock tokens (the first few: the interpreter is slow), a budget above the prompt gives them
+too, and at budgets that compact (decode rounds every 32 tokens, and MomentKV with its correction) the tokens
+and the blocks each request holds in vLLM's pool after every step equal the C++ path's."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ BASE = dict(dtype="float32", enforce_eager=True, block_size=32, enable_prefix_ca
 EVICT = {"kv_eviction": {"policy": "snapkv", "budget": 64, "decode_interval": 32}}
 CASES = [{"kv_budget": 100000}, None, {"kv_policy": "moment", "kv_budget": 128}]
 SPEC = dict(compare_lengths=[50, 200], compare_max_tokens=40)
+OFF_TOKENS = 12  # eviction off: the first tokens of the stock run (the interpreter is slow)
 TRITON = {"TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 
@@ -32,7 +33,8 @@ def cpu_stock(tiny_model_dir):
 def triton_off(tiny_model_dir):
     return run_engine("tiny_triton_off", dict(BASE, model=tiny_model_dir,
                                               additional_config={"kv_eviction": {"policy": "none"}}),
-                      ["compare"], compare_cases=[None], triton_on_cpu=True, env=TRITON, **SPEC)
+                      ["compare"], compare_cases=[None], triton_on_cpu=True, env=TRITON,
+                      **dict(SPEC, compare_max_tokens=OFF_TOKENS))
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def cpp_evict(tiny_model_dir):
 
 def test_triton_backend_runs_with_eviction_off_and_gives_stock_tokens(cpu_stock, triton_off):
     assert triton_off["attn_impl"] == "TritonOnCPUBackend"
-    assert triton_off["compare"][0]["tokens"] == cpu_stock["compare"][0]["tokens"]
+    assert triton_off["compare"][0]["tokens"] == [t[:OFF_TOKENS] for t in cpu_stock["compare"][0]["tokens"]]
 
 
 def test_triton_backend_with_budget_above_the_prompt_gives_stock_tokens(cpu_stock, triton_evict):

@@ -530,10 +530,10 @@ def test_hybrid_model_evicts_in_its_full_attention_layers(gemma):
     with decode-time rounds the full-attention group reaches exactly budget.py's bound (budget + T) after every step;
     every preset runs and evicts; nothing fails or leaks."""
     g = gemma["hybrid"]
-    assert g["kinds"].count("FullAttentionSpec") == 1 and g["kinds"].count("SlidingWindowSpec") == 5, g["kinds"]
+    assert g["kinds"].count("EvictingAttentionSpec") == 1 and g["kinds"].count("SlidingWindowSpec") == 5, g["kinds"]
     assert g["failures"] == {}
     assert all(len(t) == 24 for t in gemma["greedy_none"]) and gemma["greedy"] == gemma["greedy_none"]
-    full = g["kinds"].index("FullAttentionSpec")
+    full = g["kinds"].index("EvictingAttentionSpec")
     sw = [i for i, k in enumerate(g["kinds"]) if k == "SlidingWindowSpec"]
     ev, none = g["runs"]["H"], g["runs"]["Hnone"]
     bs = g["block_size"]

@@ -99,3 +99,32 @@ def test_the_backend_gives_full_attention_layers_the_plugins_spec_with_eviction_
     with set_current_vllm_config(VllmConfig(additional_config={"kv_eviction": {"policy": policy}})):
         spec = ContourCPUAttentionBackend.customize_spec(full)
     assert isinstance(spec, EvictingAttentionSpec) == (policy != "none")
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "none"])
+def test_outside_vllms_config_the_spec_follows_what_the_models_impls_recorded(policy):
+    """vLLM asks for the layers' KV cache specs after the model is built, with no config set: the backend
+    then answers what the impls saw under the config when the model was built."""
+    from vllm.config import VllmConfig, get_current_vllm_config_or_none, set_current_vllm_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_contour.integration.backend import ContourCPUAttentionBackend, ContourImpl
+    from vllm_contour.integration.manager import EvictingAttentionSpec
+    from vllm_contour.integration.state import worker_state
+
+    class VllmImpl:
+        def __init__(self, *args, **kwargs):
+            pass
+
+    class Impl(ContourImpl, VllmImpl):
+        pass
+
+    worker_state().evicting = policy == "none"  # the opposite, so that the impl's record is what counts
+    with set_current_vllm_config(VllmConfig(additional_config={"kv_eviction": {"policy": policy}})):
+        Impl(2, 64)
+    assert get_current_vllm_config_or_none() is None
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    try:
+        assert isinstance(ContourCPUAttentionBackend.customize_spec(full), EvictingAttentionSpec) == (policy != "none")
+    finally:
+        worker_state().evicting = False

@@ -11,7 +11,7 @@ import torch
 
 from vllm_contour.page_tables import PageTables, RowError
 
-from .page_table_cases import Req, batch_tensors, expected_tables, key_of, make_request, random_layout
+from benchmarks.page_table_cases import Req, batch_tensors, expected_tables, key_of, make_request, random_layout
 
 L, H, BS, NB = 3, 2, 16, 400
 

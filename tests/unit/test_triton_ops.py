@@ -195,7 +195,7 @@ def test_compacted_attention_reads_the_two_part_lists(with_moments, segments):
 
     from vllm_contour.page_tables import PageTables
 
-    from .page_table_cases import batch_tensors, key_of, make_request
+    from benchmarks.page_table_cases import batch_tensors, key_of, make_request
 
     rnd = random.Random(20 + segments)
     layers, nb = 2, 60

@@ -16,7 +16,7 @@ plugin's scheduler finishes that request with an error; nothing raises.
 from __future__ import annotations
 
 import torch
-from vllm.config import get_current_vllm_config
+from vllm.config import get_current_vllm_config_or_none
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -34,11 +34,15 @@ logger = init_logger("vllm.contour")
 
 
 def eviction_enabled() -> bool:
+    """Under vLLM's config: its eviction settings. Outside (vLLM asks for the layers' KV cache specs after
+    the model is built, with no config set): what the impls recorded when the model was built."""
+    cfg = get_current_vllm_config_or_none()
+    if cfg is None:
+        return worker_state().evicting
     try:
-        cfg = get_current_vllm_config()
+        return EvictionConfig.from_additional_config(cfg.additional_config).enabled
     except Exception:
         return False
-    return EvictionConfig.from_additional_config(cfg.additional_config).enabled
 
 
 class ContourBackend:
@@ -91,6 +95,10 @@ class ContourBuilder:
 class ContourImpl:
     """Mixed in before a vLLM attention impl: ``forward`` as vLLM's, then the compacted tokens and the
     captures. ``kv_views(kv_cache)`` gives the layer's ``[B, H, bs, D]`` key / value views."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        worker_state().evicting = eviction_enabled()
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):

@@ -125,6 +125,9 @@ class WorkerState:
         self.staged: dict[int, torch.Tensor] = {}
         # requests whose output of this step is wrong (a decode op failed for their row)
         self.forward_errors: dict[str, str] = {}
+        # eviction on for this process's model: the attention impls record it when the model is built (under
+        # vLLM's config), the backend reads it when vLLM later asks for the layers' KV cache specs (no config)
+        self.evicting = False
 
     def drop(self, req_id: str) -> None:
         self.requests.pop(req_id, None)

@@ -1,8 +1,7 @@
-"""Random steps of a batch mixing compacted and ordinary requests, for the page-table tests (shared by
-test_page_tables.py and test_triton_ops.py): each compacted request has a random ragged layout (lane
-borrowing, heads with empty runs) over its first blocks, vLLM's null block in the freed slots, a dense tail,
-and 1 to 4 new tokens this step; the expected per-token page tables come from ``layout.decode_page_table``
-built fresh for each token."""
+"""Random steps of a batch mixing compacted and ordinary requests (the page-table tests and the builder
+benchmarks): each compacted request has a random ragged layout (lane borrowing, heads with empty runs) over
+its first blocks, vLLM's null block in the freed slots, a dense tail, and 1 to 4 new tokens this step; the
+expected per-token page tables come from ``layout.decode_page_table`` built fresh for each token."""
 
 from __future__ import annotations
 
