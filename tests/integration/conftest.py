@@ -225,6 +225,8 @@ def evicting_torch_ops(model_dir):
 # and two ranks with 1 head keep the same pages per head; 64 tokens per head give 2 pages per head on both.
 # Generations long enough for decode-time rounds (every 32 generated tokens). Prefix caching is on: each
 # prompt is sent twice (evicting and not), so the ranks also pack rounds into private blocks and merge them.
+# MomentKV with its correction is not compared across TP sizes: its moment pages are allocated per rank inside
+# the budget, so one rank with 2 heads and two ranks with 1 head leave different room for tokens.
 PAR_LENGTHS = [192, 320, 480]
 PAR_MAX_TOKENS = 120
 PAR_VARIANTS = [["evict", None], ["stream", {"kv_policy": "streaming"}], ["keep", {"kv_budget": 100000}]]
