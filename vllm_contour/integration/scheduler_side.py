@@ -32,82 +32,29 @@ request whose handling fails is served without eviction.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
 from vllm_contour import round_clock
-from vllm_contour.budget import CacheShape, PageBudget, decode_interval_for, request_budget
+from vllm_contour.budget import CacheShape, decode_interval_for, request_budget
 from vllm_contour.config import EvictionConfig, RequestEviction, resolve_request
+from vllm_contour.integration.context_publisher import ContextPublisher
 from vllm_contour.integration.metrics import ContourStats
+from vllm_contour.integration.scheduler_events import SchedulerEvents
 from vllm_contour.integration.manager import NO_MORE_HASHING
 from vllm_contour.integration.reports import (ContourMetadata, ContourReport, Noop, Outcome, PlanFailed, Recompute,
                                               Round)
+from vllm_contour.integration.scheduler_records import PrivateBlocks, Tracked
 from vllm_contour.integration.shared_contexts import SharedContexts
 from vllm_contour.integration.state import CaptureItem, RoundItem
 from vllm_contour.policies import build_policy
-from vllm_contour.round_clock import ClockState
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.request import Request
 
 logger = init_logger("vllm.contour")
-
-
-@dataclass
-class Tracked:
-    request: "Request"
-    params: RequestEviction | None  # None: this request does not evict
-    budget: PageBudget | None = None
-    interval: int = 0  # T
-    needs_queries: bool = False
-    prefill_end: int = 0  # tokens the current (re)prefill computes
-    compacted: bool = False
-    region_blocks: int = 0  # E
-    retry_at: int = 0  # a first round that found nothing to evict is retried from here (T > 0)
-    pending: int | None = None  # seq of the round in flight
-    seq: int = 0
-    held_sum: float = 0.0
-    held_n: int = 0
-    held_peak: int = 0
-    evicting_sum: float = 0.0
-    evicting_peak: float = 0.0
-    prefill_tried: bool = False
-    epoch: int = 0  # bumped whenever the request starts over; the worker drops its old state then
-    fresh: tuple[int, list] | None = None  # (seq, private blocks) of the round in flight
-    # (seq, entry id, key, snapshot block or None) of a context round whose result becomes a shared entry
-    publishing: tuple | None = None
-    adopted: int | None = None  # the shared entry this request adopted (until it leaves or starts over)
-    asked: RequestEviction | None = None  # the settings it asked for (params goes None when a round fails)
-    rounds: int = 0  # rounds that succeeded
-    round_tokens: int = 0  # tokens with KV of the round in flight
-    first_round_at: int | None = None  # tokens with KV when its first round ran
-    last_round: tuple[int, int] | None = None  # (K, E) of its last round
-    last_held: int = 0  # blocks it held (vLLM's block list, null blocks left out) in its last step
-
-
-# a request whose blocks vLLM must not hash any more (see the module docstring)
-
-
-@dataclass
-class SchedulerTotals:
-    """Cumulative counts of this process's scheduler side (for tests and logs); the same events go out as
-    per-step deltas of ``ContourStats``."""
-
-    evicted_requests: int = 0
-    rounds: int = 0
-    freed_blocks: int = 0
-    private_blocks: int = 0  # blocks a round packed into instead of the request's own (prefix caching)
-    shared_hits: int = 0  # requests that adopted a shared compressed context
-    stale_reports: int = 0
-    failures: dict[str, int] = field(default_factory=dict)
-    last: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # req -> (K, E, freed) of its last round
-    kv_held: dict[str, tuple[float, int]] = field(default_factory=dict)  # finished req -> (mean, peak) tokens/head
-    # the same in the evicting (full-attention) layers only: what methods differ in on a hybrid model, whose
-    # sliding-window layers hold the same for every method (equal to kv_held on other models)
-    kv_held_evicting: dict[str, tuple[float, int]] = field(default_factory=dict)
 
 
 class SchedulerSide:
@@ -120,13 +67,12 @@ class SchedulerSide:
         self.shape = shape
         self.manager: "KVCacheManager | None" = None
         self.tracked: dict[str, Tracked] = {}
-        self.totals = SchedulerTotals()
-        self._stats = ContourStats()
+        self.events = SchedulerEvents()
+        self.totals = self.events.totals
         self._needs_queries: dict[str, bool] = {}
         self._recompute: dict[str, str] = {}
-        self._logged: set[tuple[str, str]] = set()
         self.shared = SharedContexts(block_size, model_id)
-        self._adopt: dict[str, int] = {}  # request -> entry id, for the workers at the next step
+        self.contexts = ContextPublisher(self.shared, block_size)
         self._entry_ids: set[int] = set()  # blocks the shared contexts hold (this step)
 
     def bind(self, kv_cache_manager: "KVCacheManager") -> None:
@@ -138,6 +84,7 @@ class SchedulerSide:
             raise ValueError(f"kv_eviction: the evicting KV cache group is managed by {type(mgr).__name__}, not "
                              "the plugin's EvictingAttentionManager (is another attention backend in use?)")
         self.evicting = mgr
+        self.contexts.bind(kv_cache_manager.block_pool)
         if self._caching and self.config.share_contexts and self.num_groups == 1:
             self.shared.bind(kv_cache_manager)
 
@@ -155,7 +102,7 @@ class SchedulerSide:
             t = self._track(request)
             if t.params is None or num_hit_tokens == 0:
                 return num_hit_tokens
-            s = self._clock(t)
+            s = t.clock(self.block_size)
             r = round_clock.next_round(s)
             window_start = r - t.params.window if t.needs_queries and r is not None else None
             return round_clock.usable_hit(num_hit_tokens, self.block_size, round_clock.context_boundary(s),
@@ -171,10 +118,9 @@ class SchedulerSide:
             if t.params is None or request.num_computed_tokens or self._boundary(t) is None or \
                     not self.manager.prefix_cache_lookup_enabled(request):  # e.g. prompt logprobs
                 return None
-            e = self.shared.hit(request, self.shared.key(request, t.params))
-            return None if e is None else (list(e.table), e.context_len)
+            return self.contexts.hit(request, t)
         except Exception as e:
-            self._fail(request.request_id, "metadata", e)
+            self.events.fail(request.request_id, "metadata", e)
             return None
 
     def end_schedule(self) -> None:
@@ -201,19 +147,15 @@ class SchedulerSide:
             if e is not None:
                 self._adopt_entry(t, e)
         except Exception as e:  # never into vLLM: this request is served without eviction
-            self._fail(request.request_id, "metadata", e)
+            self.events.fail(request.request_id, "metadata", e)
             self.tracked[request.request_id] = Tracked(request, None)
 
     def _adopt_entry(self, t: Tracked, e) -> None:
-        """The request starts with a shared compressed context: compacted up to E from its first step."""
-        req_id = t.request.request_id
-        t.compacted, t.prefill_tried, t.region_blocks = True, True, e.region_blocks
-        t.adopted = e.entry_id
-        self._adopt[req_id] = e.entry_id
-        self._stop_hashing(req_id)
-        self._event("evicted_requests")
-        self._event("shared_hits", stat="shared_context_hits")
-        self._stats.add("shared_context_hit_tokens", e.context_len)
+        self.contexts.adopt(t, e)
+        self._stop_hashing(t.request.request_id)
+        self.events.event("evicted_requests")
+        self.events.event("shared_hits", stat="shared_context_hits")
+        self.events.stats.add("shared_context_hit_tokens", e.context_len)
 
     def _track(self, request: "Request") -> Tracked:
         t = self.tracked.get(request.request_id)
@@ -227,9 +169,7 @@ class SchedulerSide:
 
     def _reset(self, t: Tracked, request: "Request") -> None:
         """A (re)admitted request prefills from scratch: nothing compacted, nothing in flight."""
-        self._release_fresh(t)
-        self._release_publishing(t)
-        self._leave_entry(t)
+        self._let_go(t)
         t.epoch += 1
         t.request = request
         t.prefill_end = request.num_tokens
@@ -253,59 +193,34 @@ class SchedulerSide:
         t.needs_queries = self._needs_queries[name]
 
     def finished(self, request: "Request") -> dict | None:
-        """Forget a request; -> what eviction did to it (``summary``), None for a request that did not evict."""
+        """Forget a request; -> what eviction did to it (``Tracked.summary``), None for a request that did not
+        evict."""
         t = self.tracked.pop(request.request_id, None)
         out = None
         try:
-            out = self.summary(t) if t is not None and t.asked is not None else None
+            out = t.summary() if t is not None and t.asked is not None else None
         except Exception:  # never into vLLM
             out = None
-        self._adopt.pop(request.request_id, None)
+        self.contexts.forget(request.request_id)
         if t is not None:
-            self._release_fresh(t)
-            self._release_publishing(t)
-            self._leave_entry(t)
-        if t is not None and t.params is not None and t.held_n:
-            self._stats.observe("request_mean_kv_tokens", t.held_sum / t.held_n)
-            self._stats.observe("request_peak_kv_tokens", t.held_peak)
-            self.totals.kv_held[request.request_id] = (t.held_sum / t.held_n, t.held_peak)
-            self.totals.kv_held_evicting[request.request_id] = (t.evicting_sum / t.held_n, t.evicting_peak)
-            for d in (self.totals.kv_held, self.totals.kv_held_evicting):
-                if len(d) > 4096:
-                    d.pop(next(iter(d)))
+            self._let_go(t)
+        if t is not None and t.params is not None and t.held.steps:
+            self.events.stats.observe("request_mean_kv_tokens", t.held.mean()[0])
+            self.events.stats.observe("request_peak_kv_tokens", t.held.peak)
+            self.totals.finished(request.request_id, t.held)
         self._recompute.pop(request.request_id, None)
         return out
 
-    def summary(self, t: Tracked) -> dict:
-        """The per-request eviction report the client gets (vLLM's ``kv_transfer_params`` of the response, under
-        ``"contour"``): the settings the request ran with, its rounds (the first at how many tokens), the kept
-        (K) and compacted (E) blocks of its last round, its moment pages per layer, the blocks it held in its
-        last step and the peak KV tokens per head it held in vLLM's pool; ``failed``: a round failed and it went
-        on without eviction."""
-        p, b = t.asked, t.budget
-        return {"policy": p.policy, "budget": p.budget, "decode_interval": t.interval,
-                "moment_correction": bool(p.moment_correction), "context_len": p.context_len,
-                "sink_tokens": p.sink_tokens, "recent_window": p.recent_window, "window": p.window,
-                "policy_args": p.policy_args, "last_held_blocks": t.last_held,
-                "rounds": t.rounds, "first_round_at": t.first_round_at,
-                "kept_blocks": t.last_round[0] if t.last_round else None,
-                "region_blocks": t.last_round[1] if t.last_round else None,
-                "moment_pages": b.moment_pages if b is not None and t.rounds else 0,
-                "peak_kv_tokens": t.held_peak, "failed": t.params is None}
-
-    def _clock(self, t: Tracked) -> ClockState:
-        """Where an evicting request stands, for the round clock (``round_clock.py``)."""
-        p, b, c = t.params, t.budget, t.params.context_len
-        fits = bool(c) and b is not None and not b.evicts(b.num_kv_heads * (c // self.block_size))
-        return ClockState(prefill_end=t.prefill_end, budget=p.budget, interval=t.interval,
-                          block_size=self.block_size, context_len=c, prefill_at_context=p.agnostic_mode == "prefill",
-                          context_fits=fits, tried=t.prefill_tried, compacted=t.compacted,
-                          region_blocks=t.region_blocks, retry_at=t.retry_at)
+    def _let_go(self, t: Tracked) -> None:
+        """What a request holds for a round or a shared context goes back (it finished or starts over)."""
+        self._release_fresh(t)
+        self.contexts.release(t)
+        self.contexts.leave(t)
 
     def _boundary(self, t: Tracked) -> int | None:
         """The context boundary C where the prefill stops to compress the context, while that round is
         still to come; None otherwise (``round_clock.context_boundary``)."""
-        return None if t.params is None else round_clock.context_boundary(self._clock(t))
+        return None if t.params is None else round_clock.context_boundary(t.clock(self.block_size))
 
     def cap_chunk(self, request: "Request", num_computed: int, num_new: int) -> int:
         """How many of ``num_new`` tokens the request may compute this step: a prefill chunk never runs past
@@ -349,13 +264,12 @@ class SchedulerSide:
                 if t.params is not None:
                     self._step_request(t, scheduler_output.num_scheduled_tokens.get(req_id, 0), rounds, captures)
             except Exception as e:
-                self._fail(req_id, "metadata", e)
+                self.events.fail(req_id, "metadata", e)
                 t.params = None
-        adopt = {r: eid for r, eid in self._adopt.items() if r in keys}
-        self._adopt = {r: eid for r, eid in self._adopt.items() if r not in adopt and r in self.tracked}
+        adopt = self.contexts.take_adoptions(keys, self.tracked)
         if self._caching:
             for name, value in self.shared.gauges().items():
-                self._stats.gauge(name, value)
+                self.events.stats.gauge(name, value)
         return ContourMetadata(rounds=rounds, capture=captures, dropped=dropped, keys=keys, adopt=adopt,
                                shared_dropped=self.shared.take_dropped())
 
@@ -363,22 +277,17 @@ class SchedulerSide:
         req = t.request
         self._prepare(t)
         blocks = self._blocks(req.request_id)
-        held = self._held(blocks)
-        t.last_held = sum(1 for b in blocks if not b.is_null)
-        t.evicting_sum += held * self.block_size
-        t.evicting_peak = max(t.evicting_peak, held * self.block_size)
+        evicting = held = self._held(blocks)
         if self.num_groups > 1:  # KV tokens per head averaged over all layers: add the other groups' blocks
             mgrs = self.manager.coordinator.single_type_managers
             held = (held + sum(self._held(m.req_to_blocks.get(req.request_id, []))
                                for i, m in enumerate(mgrs) if i != self.group)) / self.num_groups
-        t.held_sum += held * self.block_size
-        t.held_n += 1
-        t.held_peak = max(t.held_peak, held * self.block_size)
+        t.held.sample(held * self.block_size, evicting * self.block_size, sum(1 for b in blocks if not b.is_null))
         start, done = req.num_computed_tokens, req.num_computed_tokens + n_sched
         # with speculative decoding the step also computes draft tokens past the request's tokens, which the
         # sampler may reject: a round and the window it scores only ever cover verified tokens
         done = min(done, req.num_tokens)
-        clock = self._clock(t)
+        clock = t.clock(self.block_size)
         r = round_clock.next_round(clock)
         if r is None or t.budget is None:
             return
@@ -393,14 +302,14 @@ class SchedulerSide:
                 n = max(1, t.budget.kept_blocks)
                 pool = self.manager.block_pool
                 if pool.get_num_free_blocks() < n:  # no room for private blocks now: try at a later step
-                    self._stats.add("deferred_rounds", 1)
+                    self.events.stats.add("deferred_rounds", 1)
                     return
                 fresh = pool.get_new_blocks(n)
             t.seq += 1
             t.pending = t.seq
             t.round_tokens = done
             if fresh is not None:
-                t.fresh = (t.seq, fresh)
+                t.fresh = PrivateBlocks(t.seq, fresh)
             publish = None
             if fresh is not None and boundary is not None and done == boundary and not t.compacted:
                 publish = self._plan_publish(t, blocks, boundary)
@@ -412,53 +321,11 @@ class SchedulerSide:
                                     publish=publish))
 
     def _plan_publish(self, t: Tracked, blocks, c: int):
-        """The context round of a request whose compressed context can be shared: ``(entry id, partial
-        block id, snapshot block id)`` for the worker (block ids None when C is block-aligned)."""
         try:
-            key = self.shared.key(t.request, t.params)
-            if key is None or key in self.shared.entries:
-                return None
-            src = snap = None
-            if c % self.block_size:
-                pool = self.manager.block_pool
-                if self.shared.pool_free_blocks() < 1:
-                    return None
-                snap = pool.get_new_blocks(1)[0]
-                src = blocks[c // self.block_size].block_id
-            eid = self.shared.new_id()
-            t.publishing = (t.seq, eid, key, snap)
-            return (eid, src, None if snap is None else snap.block_id)
+            return self.contexts.plan(t, blocks, c)
         except Exception as e:
-            self._fail(t.request.request_id, "share", e)
+            self.events.fail(t.request.request_id, "share", e)
             return None
-
-    def _release_publishing(self, t: Tracked) -> None:
-        if t.publishing is None:
-            return
-        _, eid, _, snap = t.publishing
-        t.publishing = None
-        if snap is not None:
-            self.manager.block_pool.free_blocks([snap])
-        self.shared.dropped.append(eid)
-
-    def _leave_entry(self, t: Tracked) -> None:
-        if t.adopted is not None:
-            self.shared.release_user(t.request.request_id)
-            t.adopted = None
-
-    def _publish(self, t: Tracked, out: Round, blocks) -> None:
-        """The context round succeeded: its compacted region (+ the partial block's snapshot) is an entry."""
-        seq, eid, key, snap = t.publishing
-        if seq != out.seq or out.published != eid or out.region_blocks != t.params.context_len // self.block_size:
-            self._release_publishing(t)
-            return
-        t.publishing = None
-        table = list(blocks[: out.region_blocks])
-        self.manager.block_pool.touch([b for b in table if not b.is_null])
-        if snap is not None:
-            table.append(snap)
-        self.shared.add(eid, key, t.params.context_len, table)
-        self._stats.add("shared_contexts", 1)
 
     def _held(self, blocks) -> float:
         """Blocks the request holds in vLLM's pool, a block that n requests hold counting 1/n (a shared
@@ -484,9 +351,8 @@ class SchedulerSide:
         """Give back the private blocks of the round in flight (all but ``keep``, block ids)."""
         if t.fresh is None:
             return
-        _, fresh = t.fresh
-        t.fresh = None
-        back = [b for b in fresh if b.block_id not in keep]
+        fresh, t.fresh = t.fresh, None
+        back = [b for b in fresh.blocks if b.block_id not in keep]
         if back:
             self.manager.block_pool.free_blocks(back)
 
@@ -508,7 +374,7 @@ class SchedulerSide:
             try:
                 self._apply_one(req_id, out)
             except Exception as e:
-                self._fail(req_id, "metadata", e)
+                self.events.fail(req_id, "metadata", e)
                 t = self.tracked.get(req_id)
                 if t is not None:
                     t.params = None
@@ -517,83 +383,57 @@ class SchedulerSide:
         t = self.tracked.get(req_id)
         req = t.request if t is not None else None
         if t is None or req is None or req.is_finished() or t.pending != out.seq:
-            self._event("stale_reports")
+            self.events.event("stale_reports")
             return
         t.pending = None
-        fresh = t.fresh[1] if t.fresh is not None and t.fresh[0] == out.seq else []
+        fresh = t.fresh.blocks if t.fresh is not None and t.fresh.seq == out.seq else []
         if not isinstance(out, Round):
             self._release_fresh(t)
-            self._release_publishing(t)
+            self.contexts.release(t)
         if isinstance(out, Noop):
             if not t.compacted:
                 t.retry_at = round_clock.retry_after_noop(t.retry_at, req.num_computed_tokens, t.interval,
                                                           self.block_size)
             return
         if isinstance(out, PlanFailed):
-            self._fail(req_id, "plan", out.reason)
+            self.events.fail(req_id, "plan", out.reason)
             t.params = None  # nothing moved: served as it is, no more rounds
             return
         if isinstance(out, Recompute):
-            self._fail(req_id, "apply", out.reason)
+            self.events.fail(req_id, "apply", out.reason)
             t.params = None
             self._recompute[req_id] = out.reason
             return
         released = self.evicting.rewrite(req_id, out.freed, out.replaced, {b.block_id: b for b in fresh})
         if released is None:  # the request's table no longer matches the report
             self._release_fresh(t)
-            self._release_publishing(t)
-            self._event("stale_reports")
+            self.contexts.release(t)
+            self.events.event("stale_reports")
             return
         self._release_fresh(t, keep={new for _, _, new in out.replaced})
         blocks = self._blocks(req_id)
         # freed: blocks whose last reference this was (a shared or cached-prefix block stays with others)
         freed = [b for b in released if b.ref_cnt == 0]
         if out.replaced:
-            self._event("private_blocks", len(out.replaced))
-            self._leave_entry(t)  # copy on write: it holds its own copy of the kept pages now
-        if t.publishing is not None:
-            self._publish(t, out, blocks)
+            self.events.event("private_blocks", len(out.replaced))
+            self.contexts.leave(t)  # copy on write: it holds its own copy of the kept pages now
+        if t.publishing is not None and self.contexts.publish(t, out, blocks):
+            self.events.stats.add("shared_contexts", 1)
         if self._caching:  # its blocks now hold KV computed over a compressed cache: never hash them
             self._stop_hashing(req_id)
         if not t.compacted:
-            self._event("evicted_requests")
+            self.events.event("evicted_requests")
         t.compacted = True
         t.region_blocks = out.region_blocks
-        self._event("rounds")
-        self._event("freed_blocks", len(freed))
-        self.totals.last[req_id] = (out.kept_blocks, out.region_blocks, len(freed))
+        self.events.event("rounds")
+        self.events.event("freed_blocks", len(freed))
+        self.totals.round_done(req_id, out.kept_blocks, out.region_blocks, len(freed))
         t.rounds += 1
         t.last_round = (out.kept_blocks, out.region_blocks)
         if t.first_round_at is None:
             t.first_round_at = t.round_tokens
-        if len(self.totals.last) > 4096:
-            self.totals.last.pop(next(iter(self.totals.last)))
         logger.debug("kv_eviction: %s round %d keeps %d blocks, region ends at %d, freed %d", req_id,
                      out.seq, out.kept_blocks, out.region_blocks, len(freed))
-
-    def _event(self, name: str, n: int = 1, stat: str | None = None) -> None:
-        """One event, counted once: the process's totals (tests, logs) and the step's stats (metrics,
-        ``vllm:contour_<stat or name>_total``)."""
-        setattr(self.totals, name, getattr(self.totals, name) + n)
-        self._stats.add(stat or name, n)
-
-    # ------------------------------------------------------------------ failures
-    def _count_failure(self, reason: str) -> None:
-        self.totals.failures[reason] = self.totals.failures.get(reason, 0) + 1
-        self._stats.add("eviction_failures", 1, label=reason)
-
-    def _fail(self, req_id: str, reason: str, err: Any) -> None:
-        self._count_failure(reason)
-        self._log_once(req_id, reason, "kv_eviction: %s: eviction failed (%s: %s); the request goes on without "
-                                       "it", req_id, reason, err)
-
-    def _log_once(self, req_id: str, what: str, msg: str, *args) -> None:
-        if (req_id, what) in self._logged:
-            return
-        self._logged.add((req_id, what))
-        if len(self._logged) > 8192:
-            self._logged.clear()
-        logger.warning(msg, *args)
 
     def take_recompute(self) -> dict[str, str]:
         out, self._recompute = self._recompute, {}
@@ -602,9 +442,7 @@ class SchedulerSide:
     def note_forward_errors(self, errors: dict[str, str]) -> None:
         """Requests the plugin's scheduler finishes with an error (their output of the step is wrong)."""
         for req_id, reason in errors.items():
-            self._count_failure("forward")
-            self._log_once(req_id, "forward", "kv_eviction: %s failed in the attention op (%s); the request "
-                                              "is finished with an error", req_id, reason)
+            self.events.forward_failed(req_id, reason)
 
     def take_stats(self) -> ContourStats | None:
         """This step's stats (vLLM asks after the step's outputs were processed), with the blocks requests
@@ -615,10 +453,7 @@ class SchedulerSide:
                 pool = self.manager.block_pool
                 used = pool.num_gpu_blocks - 1 - pool.free_block_queue.num_free_blocks
                 only_shared = self.shared.reclaimable() if self.shared.entries else 0
-                self._stats.data["g:pool_request_blocks"] = used - only_shared
+                self.events.stats.data["g:pool_request_blocks"] = used - only_shared
         except Exception:  # never into vLLM
             pass
-        if not self._stats.data:
-            return None
-        out, self._stats = self._stats, ContourStats()
-        return out
+        return self.events.take()

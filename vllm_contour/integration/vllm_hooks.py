@@ -76,7 +76,8 @@ HOOKS: tuple[Hook, ...] = (
     Hook("vllm.v1.core.block_pool:BlockPool.free_blocks", ("self", "ordered_blocks"), "called",
          "blocks a round emptied go back to the pool", "integration/scheduler_side.py"),
     Hook("vllm.v1.core.block_pool:BlockPool.touch", ("self", "blocks"), "called",
-         "a shared compressed context's blocks are taken by a request", "integration/scheduler_side.py"),
+         "a published compressed context holds its own reference on its blocks",
+         "integration/context_publisher.py"),
     Hook("vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager.req_to_blocks", None,
          "read (other groups)", "the KV-held metrics of a hybrid model count its sliding-window groups' blocks "
          "(the evicting group's table is the plugin's own manager's)", "integration/scheduler_side.py"),
