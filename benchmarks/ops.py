@@ -40,6 +40,7 @@ from tqdm import tqdm  # noqa: E402
 
 from vllm_contour import ops  # noqa: E402
 from vllm_contour.layout import compaction_indices, plan_layout, region_source_table  # noqa: E402
+from vllm_contour.cpu_dtype import cpu_flags  # noqa: E402
 from vllm_contour.ops.cpu_layout import cpu_kv_views  # noqa: E402
 
 from benchmarks import stamp
@@ -82,11 +83,17 @@ def init_amx() -> bool | None:
     """Ask the kernel for AMX tile state, as vLLM's CPU worker does at start-up: a process that calls vLLM's
     AMX kernel without it dies with SIGILL. True when granted, False when refused, None when this CPU has
     no AMX tiles."""
-    from vllm_contour.cpu_dtype import cpu_flags
-
     if "amx_tile" not in cpu_flags():
         return None
     return bool(torch.cpu._init_amx())
+
+
+def _cpp_decode_path() -> str | None:
+    """How the C++ decode reads bf16 pages in vLLM's AMX packing here (``amx``, ``avx512_bf16``, ...)."""
+    try:
+        return str(torch.ops.vllm_contour.decode_path())
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def make_layers(tokens: int, dtype, key_layout, seed: int = 0, spare_blocks: int = 0):
@@ -384,7 +391,9 @@ def main(argv=None):
                          "threads": torch.get_num_threads(),
                          "reps": reps, "quick": a.quick, "torch": torch.__version__,
                          "cpu": platform.processor() or platform.machine(),
-                         "vllm_isa": vllm[1](dtype, BS, D) if vllm else None, "amx_tiles": amx_state},
+                         "vllm_isa": vllm[1](dtype, BS, D) if vllm else None, "amx_tiles": amx_state,
+                         "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16", "avx2"))),
+                         "cpp_decode_path": _cpp_decode_path()},
               "compaction": [], "decode": [], "compacted_vs_full": []}
     for kind, n, keep in tqdm(jobs, desc="benchmarks.ops"):
         if kind == "compaction":

@@ -256,7 +256,14 @@ def render_ops(runs: list[tuple[str, dict]]) -> str:
             nat = t.get("vllm_native", {}).get("cpu_ms")
             rows.append([r["tokens"]] + [t[i]["cpu_ms"] / nat if nat else None for i in t if i != "vllm_native"])
         dec_impls = [i for i in res["decode"][0]["times"] if i != "vllm_native"]
-        out += ([""] if out else []) + [provenance(res, "ops", src) + f" — {res['config']['dtype']}, {res['config']['threads']} thread(s)",
+        cfg = res["config"]
+        machine = ""
+        if cfg.get("vllm_isa"):
+            ours = cfg.get("cpp_decode_path") if str(cfg.get("key_layout", "")).startswith("vLLM amx") else "generic"
+            machine = (f"; CPU flags {', '.join(cfg.get('cpu_flags') or []) or 'not recorded'}; vLLM's kernel "
+                       f"`{cfg['vllm_isa']}`, the C++ decode's path `{ours or 'not recorded'}`")
+        out += ([""] if out else []) + [provenance(res, "ops", src) + f" — {cfg['dtype']}, {cfg['threads']} thread(s)"
+                                        + machine,
                 "", f"Compaction throughput as a fraction of a plain memcpy of the kept bytes: {frac}.", "",
                 md_table(["decode tokens"] + [f"{i} / vLLM native" for i in dec_impls], rows)]
         cvf = res.get("compacted_vs_full") or []

@@ -19,14 +19,18 @@
 #include <torch/library.h>
 
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -280,10 +284,327 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// the softmax of a page's logits: their max, then x <- exp(x - m) in place, returning the sum
+#if defined(__AVX512F__)
+inline __m512 fast_exp16(__m512 x) {  // fast_exp on 16 lanes (same polynomial)
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, fi);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+inline __mmask16 first_lanes(int64_t k) { return k >= 16 ? __mmask16(0xffff) : __mmask16((1u << k) - 1); }
+
+inline float row_max(const float* x, int64_t n) {
+  __m512 m = _mm512_set1_ps(kNegInf);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = first_lanes(n - i);
+    m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, x + i));
+  }
+  return _mm512_reduce_max_ps(m);
+}
+
+inline float exp_in_place(float* x, int64_t n, float mx) {
+  __m512 s = _mm512_setzero_ps();
+  const __m512 m = _mm512_set1_ps(mx);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = first_lanes(n - i);
+    const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), m));
+    _mm512_mask_storeu_ps(x + i, k, e);
+    s = _mm512_mask_add_ps(s, k, s, e);
+  }
+  return _mm512_reduce_add_ps(s);
+}
+#else
+inline float row_max(const float* x, int64_t n) {
+  float mx = kNegInf;
+#pragma omp simd reduction(max : mx)
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i]);
+  return mx;
+}
+
+inline float exp_in_place(float* x, int64_t n, float mx) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) {
+    const float e = fast_exp(x[i] - mx);
+    x[i] = e;
+    s += e;
+  }
+  return s;
+}
+#endif
+
 inline void scal(float* y, float a, int64_t D) {
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) y[d] *= a;
 }
+
+// ------------------------------------------------------------------------- bf16 pairs (AVX-512)
+// vLLM's AMX bf16 packing holds a page's keys as 64-byte runs of 16 tokens x 2 dims and its values as runs
+// of 2 tokens x 16 dims: each 32-bit word is a pair of bf16 elements. Decode reads such a page straight
+// from the words into registers (low half << 16 and high half masked are the pair's two fp32 values):
+// exact fp32 products, FMAs with independent accumulator chains, no unpacked copy of the page.
+#if defined(__AVX512F__)
+#define CONTOUR_PAIRS 1
+template <typename T>
+inline bool pair_pages(const Cache<T>& K, const Cache<T>& V, int64_t D) {
+  return K.bs % 32 == 0 && D % 32 == 0 &&  //
+         K.tg == 16 && K.dg == 2 && K.cs2 == 1 && K.ts2 == 2 &&                 // keys: 16 tokens x 2 dims
+         V.tg == 2 && V.dg == 16 && V.ts2 == 1 && V.cs2 == 2;                   // values: 2 tokens x 16 dims
+}
+
+inline __m512 pair_lo(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
+inline __m512 pair_hi(__m512i w) {
+  return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// logits of tokens [32 u, 32 u + 32) of a key page (two 16-token groups) for NG queries (scaled, fp32 rows
+// of D): lg[g * ld + t]
+template <int NG, typename T>
+inline void pair_logits32(const Cache<T>& K, int64_t page, int64_t u, const float* qs, int64_t D, float* lg,
+                          int64_t ld) {
+  const T* b0 = K.row(page, 0) + 2 * u * K.ts1;  // token groups 2u and 2u + 1
+  const T* b1 = b0 + K.ts1;
+  __m512 a[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < 4; ++i) a[g][i] = _mm512_setzero_ps();
+  for (int64_t c1 = 0; c1 < D / 2; ++c1) {
+    const __m512i w0 = _mm512_loadu_si512(b0 + c1 * K.cs1), w1 = _mm512_loadu_si512(b1 + c1 * K.cs1);
+    const __m512 e0 = pair_lo(w0), o0 = pair_hi(w0), e1 = pair_lo(w1), o1 = pair_hi(w1);
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; ++g) {
+      const __m512 qe = _mm512_set1_ps(qs[g * D + 2 * c1]), qo = _mm512_set1_ps(qs[g * D + 2 * c1 + 1]);
+      a[g][0] = _mm512_fmadd_ps(e0, qe, a[g][0]);
+      a[g][1] = _mm512_fmadd_ps(o0, qo, a[g][1]);
+      a[g][2] = _mm512_fmadd_ps(e1, qe, a[g][2]);
+      a[g][3] = _mm512_fmadd_ps(o1, qo, a[g][3]);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    _mm512_storeu_ps(lg + g * ld + 32 * u, _mm512_add_ps(a[g][0], a[g][1]));
+    _mm512_storeu_ps(lg + g * ld + 32 * u + 16, _mm512_add_ps(a[g][2], a[g][3]));
+  }
+}
+
+#if defined(__AVX512BF16__)
+// the same from the query's own bf16 pairs (qw: words of dims 2c, 2c + 1, low half first), with AVX-512-BF16
+// dot products of pairs: exact products, fp32 sums (denormals flushed); the scale applied to the sums
+template <int NG, typename T>
+inline void pair_logits32_bf16(const Cache<T>& K, int64_t page, int64_t u, const uint32_t* qw, float scale,
+                               int64_t D, float* lg, int64_t ld) {
+  const T* b0 = K.row(page, 0) + 2 * u * K.ts1;
+  const T* b1 = b0 + K.ts1;
+  __m512 a[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < 4; ++i) a[g][i] = _mm512_setzero_ps();
+  for (int64_t c1 = 0; c1 < D / 2; c1 += 2) {  // D % 32 == 0: pairs of dim pairs
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b0 + c1 * K.cs1);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + c1 * K.cs1);
+    const __m512bh x0 = (__m512bh)_mm512_loadu_si512(b0 + (c1 + 1) * K.cs1);
+    const __m512bh x1 = (__m512bh)_mm512_loadu_si512(b1 + (c1 + 1) * K.cs1);
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; ++g) {
+      const __m512bh q0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[g * (D / 2) + c1]));
+      const __m512bh q1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[g * (D / 2) + c1 + 1]));
+      a[g][0] = _mm512_dpbf16_ps(a[g][0], w0, q0);
+      a[g][1] = _mm512_dpbf16_ps(a[g][1], w1, q0);
+      a[g][2] = _mm512_dpbf16_ps(a[g][2], x0, q1);
+      a[g][3] = _mm512_dpbf16_ps(a[g][3], x1, q1);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int g = 0; g < NG; ++g) {
+    _mm512_storeu_ps(lg + g * ld + 32 * u, _mm512_mul_ps(_mm512_add_ps(a[g][0], a[g][2]), sc));
+    _mm512_storeu_ps(lg + g * ld + 32 * u + 16, _mm512_mul_ps(_mm512_add_ps(a[g][1], a[g][3]), sc));
+  }
+}
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define CONTOUR_AMX 1
+// AMX tiles for the logits of a bf16 query group against keys in vLLM's AMX packing: a 16-token group's keys
+// over 32 dims are one B tile as they lie in the cache (16 rows of dim pairs, 64 bytes each: 16 tokens),
+// the group's queries (<= 16 rows) the A tiles, so one TDPBF16PS gives the G x 16 logits of 32 dims. The
+// process asks Linux for the tile state once (as vLLM's worker does); when that fails the AVX-512 path runs.
+// VLLM_CONTOUR_NO_AMX=1 keeps the AVX-512 path (the tests run both on an AMX machine).
+bool amx_usable() {
+  static const bool ok = [] {
+    const char* off = std::getenv("VLLM_CONTOUR_NO_AMX");
+    if (off != nullptr && std::strcmp(off, "1") == 0) return false;
+    constexpr long kReqPerm = 0x1023, kXtiledata = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kReqPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0-3: the queries' dims [32 i, 32 i + 32) (D / 32 of them), 4: keys, 5 and 6: logits of the page's
+// two token groups
+inline void amx_configure(int64_t G, int64_t D) {
+  TileConfig c;
+  for (int i = 0; i < D / 32; ++i) c.rows[i] = static_cast<uint8_t>(G), c.colsb[i] = 64;
+  c.rows[4] = 16, c.colsb[4] = 64;
+  c.rows[5] = c.rows[6] = static_cast<uint8_t>(G), c.colsb[5] = c.colsb[6] = 64;
+  _tile_loadconfig(&c);
+}
+
+inline void amx_load_queries(const uint32_t* qw, int64_t D) {  // qw: G rows of D bf16 (as dim pairs)
+  const int64_t stride = D * 2;
+  _tile_loadd(0, qw, stride);
+  _tile_loadd(1, qw + 16, stride);
+  if (D == 128) {
+    _tile_loadd(2, qw + 32, stride);
+    _tile_loadd(3, qw + 48, stride);
+  }
+}
+
+// logits (scaled) of tokens [32 u, 32 u + 32) of a key page into lg[g * ld + t]
+template <typename T>
+inline void amx_logits32(const Cache<T>& K, int64_t page, int64_t u, float scale, int64_t G, int64_t D, float* lg,
+                         int64_t ld) {
+  const T* b0 = K.row(page, 0) + 2 * u * K.ts1;
+  const T* b1 = b0 + K.ts1;
+  const int64_t kstride = K.cs1 * static_cast<int64_t>(sizeof(T)), chunk = 16 * K.cs1;  // 16 dim pairs
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_loadd(4, b0, kstride);
+  _tile_dpbf16ps(5, 0, 4);
+  _tile_loadd(4, b1, kstride);
+  _tile_dpbf16ps(6, 0, 4);
+  _tile_loadd(4, b0 + chunk, kstride);
+  _tile_dpbf16ps(5, 1, 4);
+  _tile_loadd(4, b1 + chunk, kstride);
+  _tile_dpbf16ps(6, 1, 4);
+  if (D == 128) {
+    _tile_loadd(4, b0 + 2 * chunk, kstride);
+    _tile_dpbf16ps(5, 2, 4);
+    _tile_loadd(4, b1 + 2 * chunk, kstride);
+    _tile_dpbf16ps(6, 2, 4);
+    _tile_loadd(4, b0 + 3 * chunk, kstride);
+    _tile_dpbf16ps(5, 3, 4);
+    _tile_loadd(4, b1 + 3 * chunk, kstride);
+    _tile_dpbf16ps(6, 3, 4);
+  }
+  float* l = lg + 32 * u;
+  _tile_stored(5, l, ld * 4);
+  _tile_stored(6, l + 16, ld * 4);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < G; ++g) {
+    _mm512_storeu_ps(l + g * ld, _mm512_mul_ps(_mm512_loadu_ps(l + g * ld), sc));
+    _mm512_storeu_ps(l + g * ld + 16, _mm512_mul_ps(_mm512_loadu_ps(l + g * ld + 16), sc));
+  }
+}
+#endif
+
+// acc[g * D + c] += sum_t p[g * ld + t] v[t, c] over the page's tokens [0, n), dims [16 c0, 16 (c0 + NC)):
+// NG x NC accumulators (one chain each) stay in registers over the page's token pairs
+template <int NG, int NC, typename T>
+inline void pair_values(const Cache<T>& V, int64_t page, int64_t n, int64_t c0, const float* p, int64_t ld,
+                        float* acc, int64_t D) {
+  __m512 a[NG][NC];
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NC; ++i) a[g][i] = _mm512_setzero_ps();
+  const T* base = V.row(page, 0) + c0 * V.cs1;
+  // whole token pairs, then an odd last token alone (the other half of its words may hold anything: a NaN
+  // times a zero weight would still be NaN)
+  const int64_t pairs = n / 2;
+  for (int64_t t1 = 0; t1 < pairs; ++t1) {
+    __m512i w[NC];
+    for (int i = 0; i < NC; ++i) w[i] = _mm512_loadu_si512(base + t1 * V.ts1 + i * V.cs1);
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; ++g) {
+      const __m512 pe = _mm512_set1_ps(p[g * ld + 2 * t1]), po = _mm512_set1_ps(p[g * ld + 2 * t1 + 1]);
+      for (int i = 0; i < NC; ++i) {
+        a[g][i] = _mm512_fmadd_ps(pair_lo(w[i]), pe, a[g][i]);
+        a[g][i] = _mm512_fmadd_ps(pair_hi(w[i]), po, a[g][i]);
+      }
+    }
+  }
+  if (n % 2) {
+    for (int i = 0; i < NC; ++i) {
+      const __m512 e = pair_lo(_mm512_loadu_si512(base + pairs * V.ts1 + i * V.cs1));
+      for (int g = 0; g < NG; ++g) a[g][i] = _mm512_fmadd_ps(e, _mm512_set1_ps(p[g * ld + n - 1]), a[g][i]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NC; ++i) {
+      float* y = acc + g * D + 16 * (c0 + i);
+      _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), a[g][i]));
+    }
+}
+
+// a row's pages lie anywhere in the cache, out of reach of the hardware prefetchers' streams: the pair path
+// asks for a page's keys and values this many pages ahead (into L2)
+constexpr int64_t kPrefetchPages = 2;
+
+// one page of one KV head's G queries: logits of tokens [0, n) into lg (row stride ld), or the values
+// weighted by lg into acc; groups of up to 4 queries per pass (accumulators stay in registers)
+template <typename T>
+void pair_page_logits(const Cache<T>& K, int64_t page, int64_t n, const float* qs, const uint32_t* qw, float scale,
+                      int64_t G, int64_t D, float* lg, int64_t ld) {
+  for (int64_t u = 0; 32 * u < n; ++u)
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const float* q = qs + g0 * D;
+      float* l = lg + g0 * ld;
+#if defined(__AVX512BF16__)
+      if (qw != nullptr) {
+        const uint32_t* w = qw + g0 * (D / 2);
+        switch (std::min<int64_t>(4, G - g0)) {
+          case 1: pair_logits32_bf16<1>(K, page, u, w, scale, D, l, ld); break;
+          case 2: pair_logits32_bf16<2>(K, page, u, w, scale, D, l, ld); break;
+          case 3: pair_logits32_bf16<3>(K, page, u, w, scale, D, l, ld); break;
+          default: pair_logits32_bf16<4>(K, page, u, w, scale, D, l, ld); break;
+        }
+        continue;
+      }
+#endif
+      switch (std::min<int64_t>(4, G - g0)) {
+        case 1: pair_logits32<1>(K, page, u, q, D, l, ld); break;
+        case 2: pair_logits32<2>(K, page, u, q, D, l, ld); break;
+        case 3: pair_logits32<3>(K, page, u, q, D, l, ld); break;
+        default: pair_logits32<4>(K, page, u, q, D, l, ld); break;
+      }
+    }
+}
+
+template <int NG, typename T>
+void pair_page_values_ng(const Cache<T>& V, int64_t page, int64_t n, const float* p, int64_t ld, float* acc,
+                         int64_t D) {
+  int64_t c0 = 0;  // 64 dims per pass while they last, then 32 (D % 32 == 0)
+  for (; 16 * (c0 + 4) <= D; c0 += 4) pair_values<NG, 4>(V, page, n, c0, p, ld, acc, D);
+  if (16 * c0 < D) pair_values<NG, 2>(V, page, n, c0, p, ld, acc, D);
+}
+
+template <typename T>
+void pair_page_values(const Cache<T>& V, int64_t page, int64_t n, const float* lg, int64_t ld, int64_t G, int64_t D,
+                      float* acc) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const float* p = lg + g0 * ld;
+    float* a = acc + g0 * D;
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: pair_page_values_ng<1>(V, page, n, p, ld, a, D); break;
+      case 2: pair_page_values_ng<2>(V, page, n, p, ld, a, D); break;
+      case 3: pair_page_values_ng<3>(V, page, n, p, ld, a, D); break;
+      default: pair_page_values_ng<4>(V, page, n, p, ld, a, D); break;
+    }
+  }
+}
+#endif
 
 // ------------------------------------------------------------------------------------------- compact
 // q = n / d, r = n % d for 0 <= n < 2^52 through a double reciprocal (a 64-bit division costs ~40 cycles,
@@ -349,8 +670,53 @@ inline void copy_words(void* dst, int64_t ds, const void* src, int64_t ss, int64
   }
 }
 
+#if defined(CONTOUR_PAIRS) && defined(__AVX512BW__)
+#define CONTOUR_HALF_MOVES 1
+// vLLM's AMX value packing (runs of 2 tokens x 16 dims): a token is one 16-bit half of each of its runs'
+// 16 words. A move loads the source run, brings the token's half to the destination's half and stores
+// only those halves (a masked store: the other token's halves are never written, so moves of the two
+// tokens of a word may run on different threads).
+template <typename U>
+inline bool half_runs(const Cache<U>& X) {
+  return sizeof(U) == 2 && X.tg == 2 && X.ts2 == 1 && X.cs2 == 2 && X.dg == 16 && X.D % 16 == 0;
+}
+
+// dst / src: the token's element in the cache, or a contiguous row of D elements (the overlap buffer)
+template <typename U>
+inline void move_half_runs(const Cache<U>& X, U* dst, bool dst_cache, const U* src, bool src_cache) {
+  const bool s_hi = src_cache && (reinterpret_cast<uintptr_t>(src) & 2);
+  const bool d_hi = dst_cache && (reinterpret_cast<uintptr_t>(dst) & 2);
+  const __mmask32 keep = d_hi ? 0xAAAAAAAAu : 0x55555555u;
+  const U* s0 = src - (s_hi ? 1 : 0);
+  U* d0 = dst - (d_hi ? 1 : 0);
+  for (int64_t c = 0; c < X.D / 16; ++c) {
+    __m512i w;  // the token's 16 elements in the low halves of 16 words (when !d_hi)
+    if (src_cache) {
+      w = _mm512_loadu_si512(s0 + c * X.cs1);
+      if (s_hi && !d_hi) w = _mm512_srli_epi32(w, 16);
+      if (!s_hi && d_hi) w = _mm512_slli_epi32(w, 16);
+    } else {
+      w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s0 + 16 * c)));
+      if (d_hi) w = _mm512_slli_epi32(w, 16);
+    }
+    if (dst_cache)
+      _mm512_mask_storeu_epi16(d0 + c * X.cs1, keep, w);
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d0 + 16 * c), _mm512_cvtepi32_epi16(w));
+  }
+}
+#endif
+
 template <typename U>
 inline void move_row(const Cache<U>& X, U* dst, bool dst_cache, const U* src, bool src_cache) {
+#ifdef CONTOUR_HALF_MOVES
+  if constexpr (sizeof(U) == 2) {
+    if (half_runs(X)) {
+      move_half_runs(X, dst, dst_cache, src, src_cache);
+      return;
+    }
+  }
+#endif
   if (X.flat_dims()) {
     copy_row<U>(dst, dst_cache ? X.cs2 : 1, src, src_cache ? X.cs2 : 1, X.D);
     return;
@@ -638,10 +1004,23 @@ void decode_kernel(const TQ* q, int64_t qs0, int64_t qs1, int64_t qs2, Cache<T> 
   // the page is unpacked into the same [D, bs] fp32 columns, walking it in its own order, then by columns
   const bool k_columns = k_transposed || (!(K.flat_dims() && K.cs2 == 1) && D > 1);
   const bool k_blocks = dense_blocks(K), v_pages = dense_blocks(V);
+  bool pairs = false;
+#ifdef CONTOUR_PAIRS
+  if constexpr (std::is_same_v<T, c10::BFloat16>) pairs = pair_pages(K, V, D);
+#endif
 #pragma omp parallel
   {
     std::vector<float> qs(G * D), acc(G * D), kb(bs * D), vb(4 * D), lg(G * bs), m(G), l(G), tmp(D), ob(G * D),
         lb(G), blk(bs * D), vpage(v_pages ? bs * D : 0);
+    // a bf16 query read as its own dim pairs by the pair path's dot products (no rounding of q * scale)
+    constexpr bool qw_bf16 = std::is_same_v<TQ, c10::BFloat16>;
+    std::vector<uint32_t> qw(qw_bf16 && pairs ? G * D / 2 : 0);
+#ifdef CONTOUR_AMX
+    const bool amx = qw_bf16 && pairs && G <= 16 && (D == 64 || D == 128) && amx_usable();
+    if (amx) amx_configure(G, D);
+#else
+    const bool amx = false;
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t th = 0; th < T_ * H; ++th) {
       const int64_t t = th / H, h = th % H;
@@ -649,6 +1028,16 @@ void decode_kernel(const TQ* q, int64_t qs0, int64_t qs1, int64_t qs2, Cache<T> 
       const int64_t qrow = (t * H + h) * G;  // first query row of this KV head's group
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qs[g * D + d] = load_scalar(q + t * qs0 + (h * G + g) * qs1 + d * qs2) * scale;
+      if constexpr (qw_bf16) {
+        for (int64_t g = 0; pairs && g < G; ++g)
+          for (int64_t c = 0; c < D / 2; ++c) {
+            const TQ* e = q + t * qs0 + (h * G + g) * qs1 + 2 * c * qs2;
+            qw[g * (D / 2) + c] = uint32_t(e[0].x) | (uint32_t(e[qs2].x) << 16);
+          }
+#ifdef CONTOUR_AMX
+        if (amx) amx_load_queries(qw.data(), D);
+#endif
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), kNegInf);
       std::fill(l.begin(), l.end(), 0.f);
@@ -656,7 +1045,26 @@ void decode_kernel(const TQ* q, int64_t qs0, int64_t qs1, int64_t qs2, Cache<T> 
       for (int64_t p = 0; p < npages; ++p) {
         const int64_t page = pt(t, h, p);
         const int64_t n = std::min(bs, L - p * bs);
-        if (k_transposed) {  // key page stored [D, bs] (vLLM's CPU vec kernels): logits by columns
+        if (pairs) {
+#ifdef CONTOUR_PAIRS
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {
+            if (p + kPrefetchPages < npages) {  // the page's K and V: bs x D elements each, contiguous
+              const char* kk = reinterpret_cast<const char*>(K.row(pt(t, h, p + kPrefetchPages), 0));
+              const char* vv = reinterpret_cast<const char*>(V.row(pt(t, h, p + kPrefetchPages), 0));
+              for (int64_t o = 0; o < bs * D * 2; o += 64) {
+                _mm_prefetch(kk + o, _MM_HINT_T1);
+                _mm_prefetch(vv + o, _MM_HINT_T1);
+              }
+            }
+#ifdef CONTOUR_AMX
+            if (amx) {
+              for (int64_t u = 0; 32 * u < n; ++u) amx_logits32(K, page, u, scale, G, D, lg.data(), bs);
+            } else
+#endif
+              pair_page_logits(K, page, n, qs.data(), qw_bf16 ? qw.data() : nullptr, scale, G, D, lg.data(), bs);
+          }
+#endif
+        } else if (k_transposed) {  // key page stored [D, bs] (vLLM's CPU vec kernels): logits by columns
           const T* base = K.row(page, 0);
           for (int64_t d = 0; d < D; ++d) load_row(base + d * K.cs2, 1, n, kb.data() + d * bs);
         } else if (k_blocks) {
@@ -678,7 +1086,8 @@ void decode_kernel(const TQ* q, int64_t qs0, int64_t qs1, int64_t qs2, Cache<T> 
           float* lgg = lg.data() + g * bs;
           const float* qg = qs.data() + g * D;
           int64_t j = 0;
-          if (k_columns) {
+          if (pairs) {  // logits already there
+          } else if (k_columns) {
             std::fill(lgg, lgg + n, 0.f);
             int64_t d = 0;
             for (; d + 4 <= D; d += 4) axpy4(lgg, qg + d, kb.data() + d * bs, n, bs);
@@ -687,23 +1096,19 @@ void decode_kernel(const TQ* q, int64_t qs0, int64_t qs1, int64_t qs2, Cache<T> 
             for (; j + 4 <= n; j += 4) dot4(qg, kb.data() + j * D, D, lgg + j);
             for (; j < n; ++j) lgg[j] = dot(qg, kb.data() + j * D, D);
           }
-          float mx = kNegInf;
-#pragma omp simd reduction(max : mx)
-          for (int64_t i = 0; i < n; ++i) mx = std::max(mx, lgg[i]);
-          const float mnew = std::max(m[g], mx);
+          const float mnew = std::max(m[g], row_max(lgg, n));
           const float alpha = m[g] == kNegInf ? 0.f : std::exp(m[g] - mnew);
           if (alpha != 1.f) scal(acc.data() + g * D, alpha, D);
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t i = 0; i < n; ++i) {
-            const float e = fast_exp(lgg[i] - mnew);
-            lgg[i] = e;
-            s += e;
-          }
-          l[g] = l[g] * alpha + s;
+          l[g] = l[g] * alpha + exp_in_place(lgg, n, mnew);
           m[g] = mnew;
         }
         int64_t j = 0;
+        if (pairs) {
+#ifdef CONTOUR_PAIRS
+          if constexpr (std::is_same_v<T, c10::BFloat16>) pair_page_values(V, page, n, lg.data(), bs, G, D, acc.data());
+#endif
+          continue;
+        }
         if (v_pages) {  // the whole value page unpacked into rows once
           unpack_page<false>(V, V.row(page, 0), n, vpage.data(), D, blk.data());
           for (; j + 4 <= n; j += 4)
@@ -764,6 +1169,9 @@ void decode_kernel(const TQ* q, int64_t qs0, int64_t qs1, int64_t qs2, Cache<T> 
         lse[qrow + g] = lb[g];
       }
     }
+#ifdef CONTOUR_AMX
+    if (amx) _tile_release();
+#endif
   }
 }
 
@@ -831,6 +1239,22 @@ std::tuple<Tensor, Tensor> ragged_decode_attention(Tensor query, Tensor kc, Tens
   return {same || query.scalar_type() == at::kFloat ? out : out.to(query.scalar_type()), lse};
 }
 
+// How ragged_decode_attention reads bf16 pages in vLLM's AMX packing on this build and machine (for logs and
+// benchmarks): "amx" (AMX tiles for the logits, AVX-512 for the values), "avx512_bf16", "avx512" (both from
+// registers), or "generic" (pages unpacked to fp32 rows and columns); other layouts always run "generic".
+std::string decode_path() {
+#ifdef CONTOUR_AMX
+  if (amx_usable()) return "amx";
+#endif
+#if defined(CONTOUR_PAIRS) && defined(__AVX512BF16__)
+  return "avx512_bf16";
+#elif defined(CONTOUR_PAIRS)
+  return "avx512";
+#else
+  return "generic";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vllm_contour, m) {
@@ -841,6 +1265,7 @@ TORCH_LIBRARY(vllm_contour, m) {
   m.def("ragged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor page_table, "
         "Tensor seq_lens, float scale, Tensor? n=None, Tensor? sum_k=None, Tensor? sum_v=None, "
         "Tensor? sum_vk=None) -> (Tensor, Tensor)");
+  m.def("decode_path() -> str", &decode_path);
 }
 
 TORCH_LIBRARY_IMPL(vllm_contour, CPU, m) {

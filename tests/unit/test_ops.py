@@ -8,6 +8,7 @@ The C++ kernels come from the installed ``vllm_contour._C``, else they are JIT-c
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -283,12 +284,14 @@ def test_ops_agree_across_layouts(cpp, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_on_the_amx_packing_at_vllms_block_size(cpp, dtype):
-    """vLLM's AMX packing at block 32, head dim 64 (16-token key groups inside a page, value token pairs;
-    the kernel's bf16 pair path), partial pages of odd lengths, moments on: equals the reference."""
+@pytest.mark.parametrize("d, g", [(64, 3), (64, 1), (128, 8), (64, 5)])
+def test_decode_on_the_amx_packing_at_vllms_block_size(cpp, dtype, d, g):
+    """vLLM's AMX packing at block 32, head dims 64 and 128 (16-token key groups inside a page, value token
+    pairs; the kernel's bf16 pair path: AMX tiles or AVX-512 for the logits, query groups of 1 to 8, split
+    into passes of up to 4), partial pages of odd lengths, moments on: equals the reference."""
     from vllm_contour.ops.cpu_layout import PageLayout, cpu_kv_views
 
-    bs, d = 32, 64
+    bs, G = 32, g
     kv = torch.randn(NB, H, bs, 2 * d, generator=torch.Generator().manual_seed(8)).to(dtype)
     k, v = cpu_kv_views(kv, PageLayout.amx_bf16(bs, d))
     assert k.dim() == 6 and v.dim() == 6
@@ -301,6 +304,46 @@ def test_decode_on_the_amx_packing_at_vllms_block_size(cpp, dtype):
         got_o, got_l = ops.ragged_decode_attention(q, k, v, pt, sl, d ** -0.5, moments=mom, impl=cpp, need_lse=True)
         torch.testing.assert_close(got_o.float(), want_o.float(), **tol(dtype))
         torch.testing.assert_close(got_l, want_l, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("n", [21, 32 + 7, 64])
+def test_decode_on_the_amx_packing_reads_nothing_past_a_rows_length(cpp, n):
+    """The slots of a row's last page past its length may hold anything (NaN here, e.g. a freed block's old
+    bits): the output is the reference's over the row's tokens, also when the last value pair is half used."""
+    from vllm_contour.ops.cpu_layout import PageLayout, cpu_kv_views
+
+    bs, d = 32, 64
+    kv = torch.randn(4, H, bs, 2 * d, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    layout = PageLayout.amx_bf16(bs, d)
+    pages = (n + bs - 1) // bs  # head h reads pages (block i, lane h), i < pages
+    pt = torch.stack([torch.arange(pages) * H + h for h in range(H)]).unsqueeze(0)
+    sl = torch.full((1, H), n)
+    q = torch.randn(1, H * G, d, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    want_o, _ = ragged_decode_attention_ref(q, *cpu_kv_views(kv.clone(), layout), pt, sl, d ** -0.5)
+    k, v = cpu_kv_views(kv, layout)
+    for t in range(n - (pages - 1) * bs, bs):  # the last block's slots past the length
+        k[pages - 1, :, t // k.shape[3], t % k.shape[3]] = float("nan")
+        v[pages - 1, :, t // v.shape[3], t % v.shape[3]] = float("nan")
+    got_o, _ = ops.ragged_decode_attention(q, k, v, pt, sl, d ** -0.5, impl=cpp, need_lse=True)
+    assert torch.isfinite(want_o).all() and kv.isnan().any() == (n % bs != 0)
+    torch.testing.assert_close(got_o.float(), want_o.float(), **tol(torch.bfloat16))
+
+
+def test_decode_without_amx_tiles_in_a_child_process(cpp):
+    """Where AMX tiles are usable the pair path's logits come from them; the AVX-512 path that machines
+    without AMX run is checked here too: the AMX-packing tests again in a child process with the tiles
+    turned off (``VLLM_CONTOUR_NO_AMX=1``), which must report a path other than AMX."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, VLLM_CONTOUR_NO_AMX="1")
+    path = subprocess.run([sys.executable, "-c", "import torch, vllm_contour.ops.cpu_ext as c; c.load(jit=True); "
+                           "print(torch.ops.vllm_contour.decode_path())"], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=300)
+    assert path.returncode == 0 and path.stdout.split()[-1] in ("avx512_bf16", "avx512", "generic"), path
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_ops.py",
+                        "-k", "amx_packing"], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_moments_storage_round_trips_on_every_layout():
