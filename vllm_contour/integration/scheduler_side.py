@@ -40,11 +40,11 @@ from vllm_contour import round_clock
 from vllm_contour.budget import CacheShape, decode_interval_for, request_budget
 from vllm_contour.config import EvictionConfig, RequestEviction, resolve_request
 from vllm_contour.integration.context_publisher import ContextPublisher
-from vllm_contour.integration.metrics import ContourStats
-from vllm_contour.integration.scheduler_events import SchedulerEvents
 from vllm_contour.integration.manager import NO_MORE_HASHING
+from vllm_contour.integration.metrics import ContourStats
 from vllm_contour.integration.reports import (ContourMetadata, ContourReport, Noop, Outcome, PlanFailed, Recompute,
                                               Round)
+from vllm_contour.integration.scheduler_events import SchedulerEvents
 from vllm_contour.integration.scheduler_records import PrivateBlocks, Tracked
 from vllm_contour.integration.shared_contexts import SharedContexts
 from vllm_contour.integration.state import CaptureItem, RoundItem
