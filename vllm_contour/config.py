@@ -20,8 +20,8 @@ from vllm_contour.knobs import (ADDITIONAL_CONFIG_KEY, BY_REQUEST_KEY, DEFAULT_B
                                 REQUEST_KNOBS, SERVER_KNOBS, Knob, help_text)
 
 __all__ = ["ADDITIONAL_CONFIG_KEY", "DEFAULT_BUDGET", "DEFAULT_DECODE_INTERVAL", "EvictionConfig",
-           "EvictionConfigError", "RequestEviction", "REQUEST_KEYS", "check_value", "request_overrides",
-           "resolve_request"]
+           "EvictionConfigError", "RequestEviction", "REQUEST_KEYS", "RESOLVED_KEY", "check_value",
+           "request_overrides", "request_settings", "resolve_request", "resolved_entry"]
 # extra_args keys that start with "kv_" but belong to vLLM itself, not to this plugin.
 VLLM_OWNED_KEYS = frozenset({"kv_transfer_params"})
 
@@ -225,3 +225,33 @@ def resolve_request(server: EvictionConfig, extra_args: Mapping[str, Any] | None
     if kw.get("moment_correction") is None:
         kw["moment_correction"] = preset_moments(kw["policy"])
     return RequestEviction(**kw)
+
+
+# The extra_args entry the front end writes once it has checked a request's kv_* keys against the server's
+# settings: the request's effective settings, so that the scheduler does not parse them again. Not a kv_*
+# key (clients cannot send it through vllm_xargs, whose values are scalars or lists).
+RESOLVED_KEY = "contour_resolved"
+
+
+def _fingerprint(server: EvictionConfig) -> str:
+    return json.dumps(server.to_dict(), sort_keys=True)
+
+
+def resolved_entry(server: EvictionConfig, params: RequestEviction) -> dict[str, Any]:
+    """What the front end stores under ``RESOLVED_KEY``: the settings and the server settings they were
+    resolved against."""
+    return {"server": _fingerprint(server), "settings": dataclasses.asdict(params)}
+
+
+def request_settings(server: EvictionConfig, extra_args: Mapping[str, Any] | None) -> RequestEviction:
+    """A request's effective settings: the front end's resolved entry when it was made against ``server``
+    (nothing parsed again), else ``resolve_request`` (a request the front end did not see, or another
+    server's settings)."""
+    entry = extra_args.get(RESOLVED_KEY) if extra_args else None
+    if isinstance(entry, Mapping) and isinstance(entry.get("settings"), Mapping) and \
+            entry.get("server") == _fingerprint(server):
+        try:
+            return RequestEviction(**entry["settings"])
+        except TypeError:
+            pass
+    return resolve_request(server, extra_args)

@@ -40,7 +40,7 @@ def _log_rounds(core) -> None:
     if conn is None:
         return
     side = conn.scheduler_side
-    apply_one = side._apply_one
+    apply_one = side.outcomes._apply_one
 
     def logged(req_id, out):
         before = side.totals.rounds
@@ -49,7 +49,7 @@ def _log_rounds(core) -> None:
             key = req_id.split("-")[0]
             ROUNDS[key] = ROUNDS.get(key, 0) + 1
 
-    side._apply_one = logged
+    side.outcomes._apply_one = logged
 
 
 def _snapshot(llm) -> dict:

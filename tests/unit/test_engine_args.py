@@ -156,3 +156,31 @@ def test_budget_below_the_floor_or_a_bad_interval_stops_start_up():
         check_against_cache(EvictionConfig(policy="moment", budget=96), vc)
     check_against_cache(EvictionConfig(policy="moment", budget=96, moment_correction=False), vc)
     check_against_cache(EvictionConfig(policy="snapkv", budget=64), vc)
+
+
+def test_the_front_ends_parsed_settings_travel_with_the_request(monkeypatch):
+    """The front end parses a request's kv_* keys once and stores the result in its extra_args; the scheduler
+    uses it as it is (no second parse) when it was made against the scheduler's own server settings."""
+    import msgspec
+    import vllm_contour
+    from vllm import SamplingParams
+
+    from vllm_contour import config
+    from vllm_contour.config import RESOLVED_KEY, EvictionConfig, request_settings, resolve_request
+    from vllm_contour.integration import engine_args as ea
+
+    vllm_contour.register()
+    server = ea.ACTIVE_CONFIG = EvictionConfig(policy="snapkv")
+    sp = SamplingParams(extra_args={"kv_budget": 64, "kv_policy": "knorm", "other": 1})
+    assert sp.extra_args["other"] == 1 and sp.extra_args[RESOLVED_KEY]["settings"]["budget"] == 64
+    # across the engine's transport (msgpack), then in a process that does not know the server's settings
+    ea.ACTIVE_CONFIG = None
+    sp = msgspec.msgpack.decode(msgspec.msgpack.encode(sp), type=SamplingParams)
+    expected = resolve_request(server, sp.extra_args)
+    calls = []
+    monkeypatch.setattr(config, "resolve_request", lambda *a: calls.append(a) or expected)
+    assert request_settings(server, sp.extra_args) == expected and calls == []  # not parsed again
+    assert request_settings(EvictionConfig(policy="h2o"), sp.extra_args) == expected and len(calls) == 1
+    ea.ACTIVE_CONFIG = server  # a client's own value under the key is never taken for the front end's
+    forged = SamplingParams(extra_args={RESOLVED_KEY: ["x"], "other": 2})
+    assert RESOLVED_KEY not in forged.extra_args

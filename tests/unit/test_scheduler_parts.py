@@ -86,3 +86,71 @@ def test_the_record_keeps_mean_and_peak_of_what_a_request_held():
     assert t.held.mean() == (320.0 / 3, 384.0 / 3) and (t.held.peak, t.held.evicting_peak) == (160.0, 160.0)
     s = t.summary()
     assert (s["peak_kv_tokens"], s["last_held_blocks"], s["context_len"], s["failed"]) == (160.0, 4, 100, False)
+
+
+@pytest.fixture
+def outcomes():
+    """The reports' application over vLLM's real BlockPool and the plugin's manager of the evicting group."""
+    import torch
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_contour.integration.context_publisher import ContextPublisher
+    from vllm_contour.integration.manager import EvictingAttentionManager, evicting_spec
+    from vllm_contour.integration.request_blocks import RequestBlocks
+    from vllm_contour.integration.round_outcomes import RoundOutcomes
+    from vllm_contour.integration.scheduler_events import SchedulerEvents
+    from vllm_contour.integration.shared_contexts import SharedContexts
+
+    pool = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=BS)
+    spec = evicting_spec(FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32))
+    mgr = EvictingAttentionManager(spec, block_pool=pool, enable_caching=False, kv_cache_group_id=0,
+                                   scheduler_block_size=BS)
+    blocks = RequestBlocks(BS)
+    blocks.bind(SimpleNamespace(block_pool=pool, coordinator=SimpleNamespace(single_type_managers=[mgr])))
+    tracked = {}
+    out = RoundOutcomes(tracked, blocks, ContextPublisher(SharedContexts(BS), BS), SchedulerEvents())
+    return pool, mgr, tracked, out
+
+
+def _running(tracked, mgr, pool, n_blocks=6):
+    t = _tracked(1000)
+    t.request.is_finished = lambda: False
+    t.request.num_computed_tokens = n_blocks * BS
+    mgr.req_to_blocks["r"].extend(pool.get_new_blocks(n_blocks))
+    t.seq = t.pending = 1
+    tracked["r"] = t
+    return t, [b.block_id for b in mgr.blocks("r")]
+
+
+def test_a_round_report_frees_its_blocks_into_vllms_pool_once(outcomes):
+    from vllm_contour.integration.reports import ContourReport, Round
+
+    pool, mgr, tracked, out = outcomes
+    t, ids = _running(tracked, mgr, pool)
+    before = _free(pool)
+    report = ContourReport({"r": Round(seq=1, region_blocks=6, kept_blocks=2, freed=((2, ids[2]), (5, ids[5])))}, {})
+    out.apply(ContourReport({"r": Round(seq=0, region_blocks=6, kept_blocks=2, freed=((3, ids[3]),))}, {}))
+    assert _free(pool) == before and out.events.totals.stale_reports == 1  # not the round in flight
+    out.apply(report)
+    assert _free(pool) == before + 2 and mgr.blocks("r")[2].is_null and mgr.blocks("r")[5].is_null
+    assert (t.compacted, t.region_blocks, t.rounds, t.pending) == (True, 6, 1, None)
+    assert (out.events.totals.rounds, out.events.totals.freed_blocks, out.events.totals.evicted_requests) == (1, 2, 1)
+    out.apply(report)  # the same report again: stale, nothing freed twice
+    assert _free(pool) == before + 2 and out.events.totals.stale_reports == 2 and t.rounds == 1
+
+
+def test_failed_rounds_stop_eviction_and_only_a_moved_cache_is_recomputed(outcomes):
+    from vllm_contour.integration.reports import ContourReport, PlanFailed, Recompute
+
+    pool, mgr, tracked, out = outcomes
+    t, _ = _running(tracked, mgr, pool)
+    before = _free(pool)
+    out.apply(ContourReport({"r": PlanFailed(seq=1, reason="x")}, {}))
+    assert t.params is None and out.take_recompute() == {} and _free(pool) == before
+    t2, _ = _running(tracked, mgr, pool)
+    mgr.req_to_blocks["s"] = mgr.req_to_blocks.pop("r")
+    tracked["s"] = tracked.pop("r")
+    out.apply(ContourReport({"s": Recompute(seq=1, reason="y")}, {}))
+    assert t2.params is None and out.take_recompute() == {"s": "y"} and out.take_recompute() == {}
+    assert out.events.totals.failures == {"plan": 1, "apply": 1}

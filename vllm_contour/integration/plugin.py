@@ -10,10 +10,12 @@ import sys
 _REGISTERED = False
 
 
-def _validate_request_args(extra_args) -> None:
+def _validate_request_args(extra_args) -> dict | None:
+    """Check a request's kv_* keys (errors name the key, HTTP 400); -> its effective settings resolved against
+    this server's (``config.resolved_entry``) when the request overrides any, else None."""
     from vllm.exceptions import VLLMValidationError
 
-    from vllm_contour.config import EvictionConfigError, request_overrides
+    from vllm_contour.config import EvictionConfigError, request_overrides, resolved_entry
     from vllm_contour.integration import engine_args
 
     try:
@@ -40,15 +42,23 @@ def _validate_request_args(extra_args) -> None:
                     f"{active.window} (the window-query buffers are sized for it at start-up)")
         except EvictionConfigError as e:
             raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
+        return resolved_entry(active, params)
+    return None
 
 
 def _patch_sampling_params() -> None:
-    from vllm_contour.integration import vllm_hooks
+    from vllm_contour.integration import engine_args, vllm_hooks
 
     def make(orig):
         def _verify_extra_args(self) -> None:
+            from vllm_contour.config import RESOLVED_KEY
+
             orig(self)
-            _validate_request_args(self.extra_args)
+            entry = _validate_request_args(self.extra_args)
+            if engine_args.ACTIVE_CONFIG is None:  # a process that does not know the server's settings
+                return
+            rest = {k: v for k, v in self.extra_args.items() if k != RESOLVED_KEY}  # only this hook writes it
+            self.extra_args = {**rest, RESOLVED_KEY: entry} if entry is not None else rest
 
         return _verify_extra_args
 

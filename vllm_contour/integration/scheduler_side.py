@@ -22,12 +22,9 @@ that query-aware policies compute the window ``[R - W, R)`` whose queries they s
 request adopts a shared compressed context (``shared_hit``, ``shared_contexts.py``): the context round
 of the first request publishes it, later ones start compacted from their first step.
 
-Reports (``apply``) come back in the same step: the listed logical blocks are replaced by vLLM's null block
-and freed, exactly as vLLM's sliding-window managers free blocks mid-request; a report for a request that
-finished, was preempted or moved on meanwhile is stale and ignored. A round that failed before any byte
-moved leaves the request as it is and stops evicting it; one that failed after (or disagreed between
-ranks) asks the plugin's scheduler to recompute the request densely. Nothing here raises into vLLM: a
-request whose handling fails is served without eviction.
+Reports (``apply``) come back in the same step (``round_outcomes.py``); the request's blocks in vLLM's pool
+are read and written through ``request_blocks.py`` (the evicting group's manager owns the table). Nothing
+here raises into vLLM: a request whose handling fails is served without eviction.
 """
 
 from __future__ import annotations
@@ -38,14 +35,15 @@ from vllm.logger import init_logger
 
 from vllm_contour import round_clock
 from vllm_contour.budget import CacheShape, decode_interval_for, request_budget
-from vllm_contour.config import EvictionConfig, RequestEviction, resolve_request
+from vllm_contour.config import EvictionConfig, RequestEviction, request_settings
 from vllm_contour.integration.context_publisher import ContextPublisher
-from vllm_contour.integration.manager import NO_MORE_HASHING
 from vllm_contour.integration.metrics import ContourStats
-from vllm_contour.integration.reports import (ContourMetadata, ContourReport, Noop, Outcome, PlanFailed, Recompute,
-                                              Round)
+from vllm_contour.integration.reports import ContourMetadata, ContourReport
+from vllm_contour.integration.request_blocks import RequestBlocks
+from vllm_contour.integration.round_dispatch import RoundDispatch
+from vllm_contour.integration.round_outcomes import RoundOutcomes
 from vllm_contour.integration.scheduler_events import SchedulerEvents
-from vllm_contour.integration.scheduler_records import PrivateBlocks, Tracked
+from vllm_contour.integration.scheduler_records import Tracked
 from vllm_contour.integration.shared_contexts import SharedContexts
 from vllm_contour.integration.state import CaptureItem, RoundItem
 from vllm_contour.policies import build_policy
@@ -61,8 +59,6 @@ class SchedulerSide:
     def __init__(self, config: EvictionConfig, block_size: int, shape: CacheShape | None, model_id: str = "",
                  group: int = 0, num_groups: int = 1):
         self.config = config
-        self.group = group  # vLLM's KV cache group eviction works on (the full-attention one)
-        self.num_groups = num_groups  # > 1: a hybrid model (its sliding-window groups are vLLM's own)
         self.block_size = block_size
         self.shape = shape
         self.manager: "KVCacheManager | None" = None
@@ -70,27 +66,18 @@ class SchedulerSide:
         self.events = SchedulerEvents()
         self.totals = self.events.totals
         self._needs_queries: dict[str, bool] = {}
-        self._recompute: dict[str, str] = {}
+        self.blocks = RequestBlocks(block_size, group, num_groups)
         self.shared = SharedContexts(block_size, model_id)
         self.contexts = ContextPublisher(self.shared, block_size)
-        self._entry_ids: set[int] = set()  # blocks the shared contexts hold (this step)
+        self.outcomes = RoundOutcomes(self.tracked, self.blocks, self.contexts, self.events)
+        self.dispatch = RoundDispatch(self.blocks, self.contexts, self.events)
 
     def bind(self, kv_cache_manager: "KVCacheManager") -> None:
-        from vllm_contour.integration.manager import EvictingAttentionManager
-
+        self.blocks.bind(kv_cache_manager)
         self.manager = kv_cache_manager
-        mgr = kv_cache_manager.coordinator.single_type_managers[self.group]
-        if not isinstance(mgr, EvictingAttentionManager):
-            raise ValueError(f"kv_eviction: the evicting KV cache group is managed by {type(mgr).__name__}, not "
-                             "the plugin's EvictingAttentionManager (is another attention backend in use?)")
-        self.evicting = mgr
         self.contexts.bind(kv_cache_manager.block_pool)
-        if self._caching and self.config.share_contexts and self.num_groups == 1:
+        if self.blocks.caching and self.config.share_contexts and self.blocks.num_groups == 1:
             self.shared.bind(kv_cache_manager)
-
-    @property
-    def _caching(self) -> bool:
-        return bool(self.manager is not None and self.manager.block_pool.enable_caching)
 
     def limit_hit(self, request: "Request", num_hit_tokens: int) -> int:
         """How many of a new request's prefix-cache hit tokens it may use (whole blocks). A request with a
@@ -152,7 +139,7 @@ class SchedulerSide:
 
     def _adopt_entry(self, t: Tracked, e) -> None:
         self.contexts.adopt(t, e)
-        self._stop_hashing(t.request.request_id)
+        self.blocks.stop_hashing(t.request.request_id)
         self.events.event("evicted_requests")
         self.events.event("shared_hits", stat="shared_context_hits")
         self.events.stats.add("shared_context_hit_tokens", e.context_len)
@@ -178,7 +165,7 @@ class SchedulerSide:
 
     def _resolve(self, request: "Request") -> RequestEviction | None:
         extra = request.sampling_params.extra_args if request.sampling_params else None
-        params = resolve_request(self.config, extra)
+        params = request_settings(self.config, extra)  # as the front end resolved them, when it did
         if not params.enabled:
             return None
         return params
@@ -208,12 +195,12 @@ class SchedulerSide:
             self.events.stats.observe("request_mean_kv_tokens", t.held.mean()[0])
             self.events.stats.observe("request_peak_kv_tokens", t.held.peak)
             self.totals.finished(request.request_id, t.held)
-        self._recompute.pop(request.request_id, None)
+        self.outcomes.recompute.pop(request.request_id, None)
         return out
 
     def _let_go(self, t: Tracked) -> None:
         """What a request holds for a round or a shared context goes back (it finished or starts over)."""
-        self._release_fresh(t)
+        self.blocks.release_private(t)
         self.contexts.release(t)
         self.contexts.leave(t)
 
@@ -247,7 +234,7 @@ class SchedulerSide:
                 self._reset(t, t.request)
         rounds: list[RoundItem] = []
         captures: list[CaptureItem] = []
-        self._entry_ids = self.shared.entry_block_ids() if self.shared.entries else set()
+        self.blocks.entry_ids = self.shared.entry_block_ids() if self.shared.entries else set()
         scheduled = [r.req_id for r in scheduler_output.scheduled_new_reqs]
         scheduled += list(scheduler_output.scheduled_cached_reqs.req_ids)
         keys: dict[str, tuple[int, int]] = {}
@@ -257,187 +244,29 @@ class SchedulerSide:
                 continue
             try:
                 # the row key: the block receiving the request's first new token of this step
-                blocks = self._blocks(req_id)
+                blocks = self.blocks.of(req_id)
                 i = t.request.num_computed_tokens // self.block_size
                 if i < len(blocks) and not blocks[i].is_null:
                     keys[req_id] = (blocks[i].block_id, t.epoch)
                 if t.params is not None:
-                    self._step_request(t, scheduler_output.num_scheduled_tokens.get(req_id, 0), rounds, captures)
+                    self._prepare(t)
+                    self.dispatch.step(t, scheduler_output.num_scheduled_tokens.get(req_id, 0), rounds, captures)
             except Exception as e:
                 self.events.fail(req_id, "metadata", e)
                 t.params = None
         adopt = self.contexts.take_adoptions(keys, self.tracked)
-        if self._caching:
+        if self.blocks.caching:
             for name, value in self.shared.gauges().items():
                 self.events.stats.gauge(name, value)
         return ContourMetadata(rounds=rounds, capture=captures, dropped=dropped, keys=keys, adopt=adopt,
                                shared_dropped=self.shared.take_dropped())
 
-    def _step_request(self, t: Tracked, n_sched: int, rounds: list, captures: list) -> None:
-        req = t.request
-        self._prepare(t)
-        blocks = self._blocks(req.request_id)
-        evicting = held = self._held(blocks)
-        if self.num_groups > 1:  # KV tokens per head averaged over all layers: add the other groups' blocks
-            mgrs = self.manager.coordinator.single_type_managers
-            held = (held + sum(self._held(m.req_to_blocks.get(req.request_id, []))
-                               for i, m in enumerate(mgrs) if i != self.group)) / self.num_groups
-        t.held.sample(held * self.block_size, evicting * self.block_size, sum(1 for b in blocks if not b.is_null))
-        start, done = req.num_computed_tokens, req.num_computed_tokens + n_sched
-        # with speculative decoding the step also computes draft tokens past the request's tokens, which the
-        # sampler may reject: a round and the window it scores only ever cover verified tokens
-        done = min(done, req.num_tokens)
-        clock = t.clock(self.block_size)
-        r = round_clock.next_round(clock)
-        if r is None or t.budget is None:
-            return
-        w = t.params.window
-        span = round_clock.capture_span(r, w, start, done) if t.needs_queries else None
-        if span is not None:
-            captures.append(CaptureItem(req.request_id, span[0], span[1], w))
-        boundary = round_clock.context_boundary(clock)
-        if round_clock.round_due(clock, done, req.num_tokens) and t.pending is None:
-            fresh = None
-            if self._shared(blocks, done):
-                n = max(1, t.budget.kept_blocks)
-                pool = self.manager.block_pool
-                if pool.get_num_free_blocks() < n:  # no room for private blocks now: try at a later step
-                    self.events.stats.add("deferred_rounds", 1)
-                    return
-                fresh = pool.get_new_blocks(n)
-            t.seq += 1
-            t.pending = t.seq
-            t.round_tokens = done
-            if fresh is not None:
-                t.fresh = PrivateBlocks(t.seq, fresh)
-            publish = None
-            if fresh is not None and boundary is not None and done == boundary and not t.compacted:
-                publish = self._plan_publish(t, blocks, boundary)
-            if not t.compacted:
-                t.prefill_tried = True
-            rounds.append(RoundItem(req_id=req.request_id, block_ids=[b.block_id for b in blocks],
-                                    num_tokens=done, params=t.params, seq=t.seq,
-                                    fresh_ids=None if fresh is None else [b.block_id for b in fresh],
-                                    publish=publish))
-
-    def _plan_publish(self, t: Tracked, blocks, c: int):
-        try:
-            return self.contexts.plan(t, blocks, c)
-        except Exception as e:
-            self.events.fail(t.request.request_id, "share", e)
-            return None
-
-    def _held(self, blocks) -> float:
-        """Blocks the request holds in vLLM's pool, a block that n requests hold counting 1/n (a shared
-        compressed context's blocks are paid once over the requests on it; its entry's own reference is not
-        a request's)."""
-        if not self._caching:
-            return float(sum(1 for b in blocks if not b.is_null))
-        in_entry = self._entry_ids
-        held = 0.0
-        for b in blocks:
-            if b.is_null:
-                continue
-            users = b.ref_cnt - (1 if b.block_id in in_entry else 0)
-            held += 1.0 / max(1, users)
-        return held
-
-    def _shared(self, blocks, num_tokens: int) -> bool:
-        """Does any full block a round may rewrite carry a prefix-cache hash or another reference?"""
-        return any(not b.is_null and (b.block_hash is not None or b.ref_cnt > 1)
-                   for b in blocks[: num_tokens // self.block_size])
-
-    def _release_fresh(self, t: Tracked, keep: set[int] = frozenset()) -> None:
-        """Give back the private blocks of the round in flight (all but ``keep``, block ids)."""
-        if t.fresh is None:
-            return
-        fresh, t.fresh = t.fresh, None
-        back = [b for b in fresh.blocks if b.block_id not in keep]
-        if back:
-            self.manager.block_pool.free_blocks(back)
-
-    def _blocks(self, req_id: str):
-        return self.evicting.blocks(req_id)
-
-    def _stop_hashing(self, req_id: str) -> None:
-        """Every group (a hybrid model's sliding-window layers too: their KV after the round was computed
-        over the compressed full-attention layers); those are vLLM's own managers (``vllm_hooks``)."""
-        for mgr in self.manager.coordinator.single_type_managers:
-            if mgr is self.evicting:
-                mgr.stop_hashing(req_id)
-            else:
-                mgr.num_cached_block[req_id] = NO_MORE_HASHING
-
     def apply(self, report: ContourReport) -> None:
-        """The workers' outcomes of this step's rounds."""
-        for req_id, out in report.entries.items():
-            try:
-                self._apply_one(req_id, out)
-            except Exception as e:
-                self.events.fail(req_id, "metadata", e)
-                t = self.tracked.get(req_id)
-                if t is not None:
-                    t.params = None
-
-    def _apply_one(self, req_id: str, out: Outcome) -> None:
-        t = self.tracked.get(req_id)
-        req = t.request if t is not None else None
-        if t is None or req is None or req.is_finished() or t.pending != out.seq:
-            self.events.event("stale_reports")
-            return
-        t.pending = None
-        fresh = t.fresh.blocks if t.fresh is not None and t.fresh.seq == out.seq else []
-        if not isinstance(out, Round):
-            self._release_fresh(t)
-            self.contexts.release(t)
-        if isinstance(out, Noop):
-            if not t.compacted:
-                t.retry_at = round_clock.retry_after_noop(t.retry_at, req.num_computed_tokens, t.interval,
-                                                          self.block_size)
-            return
-        if isinstance(out, PlanFailed):
-            self.events.fail(req_id, "plan", out.reason)
-            t.params = None  # nothing moved: served as it is, no more rounds
-            return
-        if isinstance(out, Recompute):
-            self.events.fail(req_id, "apply", out.reason)
-            t.params = None
-            self._recompute[req_id] = out.reason
-            return
-        released = self.evicting.rewrite(req_id, out.freed, out.replaced, {b.block_id: b for b in fresh})
-        if released is None:  # the request's table no longer matches the report
-            self._release_fresh(t)
-            self.contexts.release(t)
-            self.events.event("stale_reports")
-            return
-        self._release_fresh(t, keep={new for _, _, new in out.replaced})
-        blocks = self._blocks(req_id)
-        # freed: blocks whose last reference this was (a shared or cached-prefix block stays with others)
-        freed = [b for b in released if b.ref_cnt == 0]
-        if out.replaced:
-            self.events.event("private_blocks", len(out.replaced))
-            self.contexts.leave(t)  # copy on write: it holds its own copy of the kept pages now
-        if t.publishing is not None and self.contexts.publish(t, out, blocks):
-            self.events.stats.add("shared_contexts", 1)
-        if self._caching:  # its blocks now hold KV computed over a compressed cache: never hash them
-            self._stop_hashing(req_id)
-        if not t.compacted:
-            self.events.event("evicted_requests")
-        t.compacted = True
-        t.region_blocks = out.region_blocks
-        self.events.event("rounds")
-        self.events.event("freed_blocks", len(freed))
-        self.totals.round_done(req_id, out.kept_blocks, out.region_blocks, len(freed))
-        t.rounds += 1
-        t.last_round = (out.kept_blocks, out.region_blocks)
-        if t.first_round_at is None:
-            t.first_round_at = t.round_tokens
-        logger.debug("kv_eviction: %s round %d keeps %d blocks, region ends at %d, freed %d", req_id,
-                     out.seq, out.kept_blocks, out.region_blocks, len(freed))
+        """The workers' outcomes of this step's rounds (``round_outcomes.py``)."""
+        self.outcomes.apply(report)
 
     def take_recompute(self) -> dict[str, str]:
-        out, self._recompute = self._recompute, {}
-        return out
+        return self.outcomes.take_recompute()
 
     def note_forward_errors(self, errors: dict[str, str]) -> None:
         """Requests the plugin's scheduler finishes with an error (their output of the step is wrong)."""
@@ -450,8 +279,7 @@ class SchedulerSide:
         contexts hold as free): sent every step, so an idle server's gauge is fresh."""
         try:
             if self.manager is not None:
-                pool = self.manager.block_pool
-                used = pool.num_gpu_blocks - 1 - pool.free_block_queue.num_free_blocks
+                used = self.blocks.used()
                 only_shared = self.shared.reclaimable() if self.shared.entries else 0
                 self.events.stats.data["g:pool_request_blocks"] = used - only_shared
         except Exception:  # never into vLLM

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_contour.budget import PageBudget
 from vllm_contour.config import RequestEviction
 from vllm_contour.layout import RequestLayout
 from vllm_contour.page_tables import CaptureWindows, PageTables, StepRows
@@ -34,6 +35,7 @@ class RoundItem:
     block_ids: list[int]  # all blocks of the request, logical order (freed ones are vLLM's null block)
     num_tokens: int  # tokens with KV after this step
     params: RequestEviction
+    budget: PageBudget  # the request's page budget, computed once by the scheduler side
     seq: int  # round number of the request (reports carry it back; stale ones are ignored)
     # private blocks to pack the kept pages into (some of the request's blocks are hashed for prefix caching
     # or shared with another request): the round reads the originals and writes only these; None: in place

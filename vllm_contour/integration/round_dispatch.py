@@ -1,0 +1,67 @@
+"""One scheduled request's part of the step's metadata: the KV it holds (sampled for the metrics), the window
+queries to capture for its next round, and, when that round is due, the round for the workers with the
+private blocks it packs into when some of its blocks are shared (prefix caching) and the shared compressed
+context it publishes. The clock itself is ``round_clock.py``; the record it changes ``scheduler_records.py``."""
+
+from __future__ import annotations
+
+from vllm_contour import round_clock
+from vllm_contour.integration.context_publisher import ContextPublisher
+from vllm_contour.integration.request_blocks import RequestBlocks
+from vllm_contour.integration.scheduler_events import SchedulerEvents
+from vllm_contour.integration.scheduler_records import Tracked
+from vllm_contour.integration.state import CaptureItem, RoundItem
+
+
+class RoundDispatch:
+    def __init__(self, blocks: RequestBlocks, contexts: ContextPublisher, events: SchedulerEvents):
+        self.blocks = blocks
+        self.contexts = contexts
+        self.events = events
+
+    def step(self, t: Tracked, n_sched: int, rounds: list[RoundItem], captures: list[CaptureItem]) -> None:
+        req = t.request
+        bs = self.blocks.block_size
+        blocks = self.blocks.of(req.request_id)
+        self.blocks.sample(t, blocks)
+        start, done = req.num_computed_tokens, req.num_computed_tokens + n_sched
+        # with speculative decoding the step also computes draft tokens past the request's tokens, which the
+        # sampler may reject: a round and the window it scores only ever cover verified tokens
+        done = min(done, req.num_tokens)
+        clock = t.clock(bs)
+        r = round_clock.next_round(clock)
+        if r is None or t.budget is None:
+            return
+        w = t.params.window
+        span = round_clock.capture_span(r, w, start, done) if t.needs_queries else None
+        if span is not None:
+            captures.append(CaptureItem(req.request_id, span[0], span[1], w))
+        if not round_clock.round_due(clock, done, req.num_tokens) or t.pending is not None:
+            return
+        fresh = None
+        if self.blocks.shared(blocks, done):
+            fresh = self.blocks.take_private(max(1, t.budget.kept_blocks))
+            if fresh is None:  # no room for private blocks now: try at a later step
+                self.events.stats.add("deferred_rounds", 1)
+                return
+        t.seq += 1
+        t.pending = t.seq
+        t.round_tokens = done
+        if fresh is not None:
+            self.blocks.keep_private(t, t.seq, fresh)
+        boundary = round_clock.context_boundary(clock)
+        publish = None
+        if fresh is not None and boundary is not None and done == boundary and not t.compacted:
+            publish = self._plan_publish(t, blocks, boundary)
+        if not t.compacted:
+            t.prefill_tried = True
+        rounds.append(RoundItem(req_id=req.request_id, block_ids=[b.block_id for b in blocks], num_tokens=done,
+                                params=t.params, budget=t.budget, seq=t.seq,
+                                fresh_ids=None if fresh is None else [b.block_id for b in fresh], publish=publish))
+
+    def _plan_publish(self, t: Tracked, blocks, c: int):
+        try:
+            return self.contexts.plan(t, blocks, c)
+        except Exception as e:
+            self.events.fail(t.request.request_id, "share", e)
+            return None
