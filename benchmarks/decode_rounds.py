@@ -52,17 +52,17 @@ def worker(spec_path: str, out_path: str) -> None:
     core = llm.llm_engine.engine_core.engine_core
     round_s = [0.0, 0]
     if spec["policy"]:
-        from vllm_contour.integration import worker_side
+        from vllm_contour.integration import worker_rounds
 
-        orig = worker_side.WorkerSide._run_round
+        orig = worker_rounds.WorkerRounds.run
 
-        def timed(self, item):
+        def timed(self, items, *args):
             t0 = time.perf_counter()
-            orig(self, item)
+            orig(self, items, *args)
             round_s[0] += time.perf_counter() - t0
-            round_s[1] += 1
+            round_s[1] += len(items)
 
-        worker_side.WorkerSide._run_round = timed
+        worker_rounds.WorkerRounds.run = timed
     rnd = random.Random(1)
     prompts = [{"prompt_token_ids": [rnd.randrange(100, 49000) for _ in range(spec["prompt_len"])]}
                for _ in range(spec["requests"])]

@@ -5,7 +5,7 @@ and budget through ``SamplingParams.extra_args`` (``kv_policy="none"`` = full ca
 tokens per KV head per layer and as fractions of the context. Writes ``passkey.json`` and ``passkey.png``.
 
     python -m benchmarks.passkey [--quick] [--out DIR] [--policies streaming,snapkv] [--budgets 128,512,1024]
-                                 [--modes aware,agnostic,score_only]
+                                 [--modes aware,agnostic,score_only] [--dtype float32|bfloat16]
 
 Modes: ``aware`` = the policy scores the whole prompt, question included (common practice); ``agnostic`` =
 ``kv_context_len`` marks where the question starts: the prefill stops there, the context is compressed
@@ -68,7 +68,7 @@ def run(args) -> dict:
     from vllm_contour.models import fetch_model
 
     model = str(fetch_model(args.model, quiet=True))
-    llm = LLM(model, dtype="float32", enforce_eager=True, max_model_len=4096, seed=0,
+    llm = LLM(model, dtype=args.dtype, enforce_eager=True, max_model_len=4096, seed=0,
               enable_prefix_caching=False,  # every configuration prefills the same prompts
               additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}})
     tok = llm.get_tokenizer()
@@ -83,12 +83,13 @@ def run(args) -> dict:
     n_tokens = len(trials[0]["ids"])
     configs = config_list(args, n_tokens)
     res = {"model": args.model, "prompt_tokens": n_tokens, "trials": args.trials, "seed": args.seed,
-           "context": args.context, "results": {}, "seconds": 0.0, "date": time.strftime("%Y-%m-%d"),
+           "context": args.context, "dtype": args.dtype, "results": {}, "seconds": 0.0,
+           "date": time.strftime("%Y-%m-%d"),
            "machine": os.uname().nodename}
     out_json = Path(args.out) / "passkey.json"
     if args.resume and out_json.exists():
         old = json.loads(out_json.read_text())
-        if all(old.get(k) == res[k] for k in ("model", "prompt_tokens", "trials", "seed", "context")):
+        if all(old.get(k) == res[k] for k in ("model", "prompt_tokens", "trials", "seed", "context", "dtype")):
             res["results"], res["seconds"] = old["results"], old.get("seconds", 0.0)
     t0 = time.time() - res["seconds"]
     for name, pol, budget, mode in tqdm(configs, desc="configs"):
@@ -215,6 +216,7 @@ def main(argv=None) -> None:
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     ap.add_argument("--modes", default="aware", help="aware,agnostic,score_only (see above)")
     ap.add_argument("--resume", action="store_true", help="keep configurations already in the JSON")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the engine's dtype")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.quick:

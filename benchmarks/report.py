@@ -360,8 +360,14 @@ def render_builder(runs: list[tuple[str, dict]]) -> str:
     return "\n\n".join(f"{provenance(res, 'builder', src)}\n\n{table(res)}" for src, res in runs)
 
 
+def render_rounds(runs: list[tuple[str, dict]]) -> str:
+    from benchmarks.rounds import table
+
+    return "\n\n".join(f"{provenance(res, 'rounds', src)}\n\n{table(res)}" for src, res in runs)
+
+
 RENDERERS: dict[str, Callable[[list[tuple[str, dict]]], str]] = {
-    "gpu_kernels": render_gpu_kernels, "builder": render_builder,
+    "gpu_kernels": render_gpu_kernels, "builder": render_builder, "rounds": render_rounds,
     "passkey": render_passkey, "serving": render_serving, "audit": render_audit, "ruler": render_ruler,
     "seed_claims": render_seed_claims, "perplexity": render_perplexity, "ops": render_ops,
     "decode_rounds": render_decode_rounds, "perplexity_long": render_perplexity_long, "soak": render_soak,

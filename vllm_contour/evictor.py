@@ -30,7 +30,7 @@ from vllm_contour import ops
 from vllm_contour.budget import PageBudget
 from vllm_contour.config import RequestEviction
 from vllm_contour.layout import RequestLayout, compaction_indices, plan_layout, region_source_table
-from vllm_contour.ops.paged import dims, pages
+from vllm_contour.ops.paged import dims, gather_pages
 from vllm_contour.policies import LayerInputs, Policy, build_policy
 
 
@@ -118,10 +118,11 @@ def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, quer
     q_all = None if not queries else torch.cat([queries[layer] for layer in range(num_layers)])
     if prev is None:
         inp, src_tables, cand_pos = _first_round_inputs(caches, blocks, num_tokens, e_new, block_ids, h, scale,
-                                                        q_all, query_positions, window_end, layers)
+                                                        q_all, query_positions, window_end, layers,
+                                                        policy.needs_values)
     else:
         inp, src_tables, cand_pos = _round_inputs(caches, blocks, num_tokens, prev, e_new, scale, q_all,
-                                                  query_positions, policy.accumulates, layers)
+                                                  query_positions, policy.accumulates, layers, policy.needs_values)
     # every layer scored in one pass (scorers work per KV head), then allocated and selected per layer
     sels = policy.plan_rows(inp, [budget.token_pages] * num_layers, h)
     kept_all = [sel.kept for sel in sels]
@@ -170,10 +171,12 @@ def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, quer
     layout.carry = carry
     layout.evicted = evicted_n if prev is None or prev.evicted is None else prev.evicted + evicted_n
     layout.rounds = 1 if prev is None else prev.rounds + 1
-    layers = []
-    for layer in range(num_layers):
-        moves = compaction_indices(kept_all[layer], layout.page_ids[layer], src_tables[layer], bs)
-        layers.append(LayerPlan(moves=moves, evicted=evicted_sets[layer]))
+    # every layer's moves at once (rows l * H + h), then split by layer
+    moves = compaction_indices([k for sel in kept_all for k in sel], layout.page_ids.reshape(num_layers * h, -1),
+                               torch.stack(src_tables).reshape(num_layers * h, -1), bs)
+    per_layer = (pages.sum(dim=1) * bs).tolist()
+    moves = list(zip(*(torch.split(m, per_layer) for m in moves))) if moves[0].numel() else [moves] * num_layers
+    layers = [LayerPlan(moves=moves[layer], evicted=evicted_sets[layer]) for layer in range(num_layers)]
     k = layout.kept_blocks
     replaced = []
     if fresh_ids is not None:
@@ -183,17 +186,23 @@ def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, quer
                      replaced=replaced)
 
 
+def _gather(caches, side: int, ids: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """Head-pages ``ids`` of every layer's key (``side`` 0) or value (1) cache as ``[rows, width, D]``."""
+    return gather_pages([c[side] for c in caches], ids).view(rows, width, -1)
+
+
 def _first_round_inputs(caches, blocks, num_tokens, e_new, block_ids, h, scale, q_all, query_positions,
-                        window_end, layers):
+                        window_end, layers, with_values: bool):
     """Every layer of a first round as one input: rows ``l * H + h``; every head's candidates are the full
-    blocks ``[0, E)`` (the prompt's partial last block and, query-agnostic, the question are context)."""
+    blocks ``[0, E)`` (the prompt's partial last block and, query-agnostic, the question are context).
+    Values only when a component of the policy reads them (else an empty ``[L * H, 0, D]``)."""
     n_blocks = blocks.numel()
     _, _, bs, d = dims(caches[0][0])
-    keys = torch.stack([pages(kc, blocks).permute(1, 0, 2, 3) for kc, _ in caches])  # [L, H, n, bs, D], contiguous
-    values = torch.stack([pages(vc, blocks).permute(1, 0, 2, 3) for _, vc in caches])
     num_layers = len(caches)
-    keys = keys.reshape(num_layers * h, n_blocks * bs, d)[:, :num_tokens]
-    values = values.reshape(num_layers * h, n_blocks * bs, d)[:, :num_tokens]
+    ids = (blocks.view(1, -1) * h + torch.arange(h).view(-1, 1)).reshape(-1)  # [H * n]: head-major
+    keys = _gather(caches, 0, ids, num_layers * h, n_blocks * bs)[:, :num_tokens]
+    values = _gather(caches, 1, ids, num_layers * h, n_blocks * bs)[:, :num_tokens] if with_values else \
+        keys.new_empty((num_layers * h, 0, d))
     inp = LayerInputs(keys=keys, values=values, region_len=e_new * bs, page_size=bs, layer_idx=layers[0],
                       num_layers=layers[1], scale=scale, queries=q_all, query_positions=query_positions,
                       window_end=window_end)
@@ -203,7 +212,7 @@ def _first_round_inputs(caches, blocks, num_tokens, e_new, block_ids, h, scale, 
 
 
 def _round_inputs(caches, blocks, num_tokens, prev: RequestLayout, e_new, scale, q_all, query_positions,
-                  with_prior, layers):
+                  with_prior, layers, with_values: bool):
     """Every layer of a later round as one padded input (rows ``l * H + h``): head h's kept run (original
     positions) then the new full tail blocks ``[E, E2)``, padding up to the widest head, then the partial
     last block (context only, never a candidate)."""
@@ -220,11 +229,10 @@ def _round_inputs(caches, blocks, num_tokens, prev: RequestLayout, e_new, scale,
     j = torch.arange(width).view(1, 1, -1)
     tail_idx = (j - p.unsqueeze(-1)).clamp(0, max(0, n_tail - 1))
     src = torch.where(j < p.unsqueeze(-1), run, torch.gather(tail.expand(num_layers, -1, -1), 2, tail_idx))
-    blk, lane = src // h, src % h  # [L, H, W]
-    keys = torch.stack([pages(kc, blk[layer], lane[layer]) for layer, (kc, _) in enumerate(caches)])  # [L, H, W, bs, D]
-    values = torch.stack([pages(vc, blk[layer], lane[layer]) for layer, (_, vc) in enumerate(caches)])
-    keys = keys.reshape(num_layers * h, width * bs, d)
-    values = values.reshape(num_layers * h, width * bs, d)
+    ids = src.reshape(num_layers, -1)  # [L, H * W]
+    keys = _gather(caches, 0, ids, num_layers * h, width * bs)
+    values = _gather(caches, 1, ids, num_layers * h, width * bs) if with_values else \
+        keys.new_empty((num_layers * h, 0, d))
     n_part = num_tokens - e_new * bs
     tok = torch.arange(width * bs).view(1, 1, -1)
     run_tok = p.unsqueeze(-1) * bs  # [L, H, 1]
@@ -234,9 +242,11 @@ def _round_inputs(caches, blocks, num_tokens, prev: RequestLayout, e_new, scale,
     n_cand = (p + n_tail) * bs
     valid = tok < n_cand.unsqueeze(-1)
     if n_part:
-        pk = torch.stack([pages(kc, blocks[e_new])[:, :n_part] for kc, _ in caches]).reshape(num_layers * h, n_part, d)
-        pv = torch.stack([pages(vc, blocks[e_new])[:, :n_part] for _, vc in caches]).reshape(num_layers * h, n_part, d)
-        keys, values = torch.cat([keys, pk], dim=1), torch.cat([values, pv], dim=1)
+        part_ids = blocks[e_new] * h + torch.arange(h)
+        pk = _gather(caches, 0, part_ids, num_layers * h, bs)[:, :n_part]
+        keys = torch.cat([keys, pk], dim=1)
+        if with_values:
+            values = torch.cat([values, _gather(caches, 1, part_ids, num_layers * h, bs)[:, :n_part]], dim=1)
         part = torch.arange(e_new * bs, num_tokens).view(1, 1, -1).expand(num_layers, h, -1)
         pos = torch.cat([pos, part], dim=2)
         valid = torch.cat([valid, torch.ones_like(part, dtype=torch.bool)], dim=2)
@@ -269,31 +279,44 @@ def apply_round(caches: list[tuple[torch.Tensor, torch.Tensor]], plan: RoundPlan
     """Move the bytes of a planned round, layer by layer: add the evicted tokens to the layer's moments
     (read where they still sit), compact the kept tokens, store the moments in their new pages. Returns
     the new layout. ``fail_after_layer`` (test-only fault switch) raises once that layer is compacted."""
+    return apply_rounds(caches, [plan], fail_after_layer)[0]
+
+
+def apply_rounds(caches: list[tuple[torch.Tensor, torch.Tensor]], plans: list[RoundPlan],
+                 fail_after_layer: int | None = None) -> list[RequestLayout]:
+    """Move the bytes of the rounds of several requests due in the same step: per layer, every round's
+    moments, then one compaction over all their moves, then every round's moment storage. No round writes
+    what another reads (a round over blocks another request holds writes only its private blocks), so this
+    equals applying them one after another. A failure leaves every round of the batch partly applied."""
     with on_device(caches[0][0]):
-        return _apply_round(caches, plan, fail_after_layer)
+        for layer, (kc, vc) in enumerate(caches):
+            stats = [_layer_moments(kc, vc, plan, layer) for plan in plans]
+            moves = [plan.layers[layer].moves for plan in plans]
+            ops.compact(kc, vc, *(moves[0] if len(moves) == 1 else [torch.cat(m) for m in zip(*moves)]))
+            for plan, st in zip(plans, stats):  # after the compaction: moment pages may have held source tokens
+                if st is not None:
+                    packed = mom_math.pack(mom_math.Moments(st["n"], st["sum_k"], st["sum_v"], st["sum_vk"]))
+                    ops.store_moments(kc, vc, plan.layout.moment_page_ids[layer].to(torch.int64), packed)
+            if fail_after_layer is not None and layer == fail_after_layer:
+                raise FaultInjected(f"fault switch: round failed after compacting layer {layer}")
+    return [plan.layout for plan in plans]
 
 
-def _apply_round(caches, plan: RoundPlan, fail_after_layer: int | None) -> RequestLayout:
+def _layer_moments(kc, vc, plan: RoundPlan, layer: int) -> dict | None:
+    """The layer's moments of the evicted set after this round (the previous round's, read from their
+    pages, plus this round's evicted tokens, read where they still sit); None without moment pages."""
     layout, prev = plan.layout, plan.prev
-    h = layout.num_kv_heads
-    for layer, ((kc, vc), lp) in enumerate(zip(caches, plan.layers)):
-        d = dims(kc)[3]
-        stats = None
-        if layout.moment_page_ids is not None:
-            if prev is not None and prev.moment_page_ids is not None:
-                old_ids = prev.moment_page_ids[layer].to(torch.int64)
-                old = ops.load_moments(kc, vc, old_ids, h, d)
-                stats = {k: v.clone().to(torch.float32) for k, v in old.items()}
-                if not plan.fresh:  # their blocks may be freed now: no raw moment bits left in the pool
-                    ops.clear_pages(kc, vc, old_ids)
-            else:
-                stats = mom_math.Moments.zeros((h,), d).as_dict()
-            ev_p, ev_o, ev_h = lp.evicted
-            ops.accumulate_moments(kc, vc, ev_p, ev_o, ev_h, stats)
-        ops.compact(kc, vc, *lp.moves)
-        if stats is not None:  # after the layer's compaction: moment pages may have held source tokens
-            packed = mom_math.pack(mom_math.Moments(stats["n"], stats["sum_k"], stats["sum_v"], stats["sum_vk"]))
-            ops.store_moments(kc, vc, layout.moment_page_ids[layer].to(torch.int64), packed)
-        if fail_after_layer is not None and layer == fail_after_layer:
-            raise FaultInjected(f"fault switch: round failed after compacting layer {layer}")
-    return layout
+    if layout.moment_page_ids is None:
+        return None
+    h, d = layout.num_kv_heads, dims(kc)[3]
+    if prev is not None and prev.moment_page_ids is not None:
+        old_ids = prev.moment_page_ids[layer].to(torch.int64)
+        old = ops.load_moments(kc, vc, old_ids, h, d)
+        stats = {k: v.clone().to(torch.float32) for k, v in old.items()}
+        if not plan.fresh:  # their blocks may be freed now: no raw moment bits left in the pool
+            ops.clear_pages(kc, vc, old_ids)
+    else:
+        stats = mom_math.Moments.zeros((h,), d).as_dict()
+    ev_p, ev_o, ev_h = plan.layers[layer].evicted
+    ops.accumulate_moments(kc, vc, ev_p, ev_o, ev_h, stats)
+    return stats

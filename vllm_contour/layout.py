@@ -108,11 +108,12 @@ def region_source_table(block_ids: list[int], num_kv_heads: int) -> torch.Tensor
 
 def compaction_indices(kept: list[torch.Tensor], dst_page_ids: torch.Tensor, src_table: torch.Tensor,
                        block_size: int):
-    """Token moves for one layer: (src_page, src_off, dst_page, dst_off), int64 [M] each.
+    """Token moves for one layer (or several: rows ``l * H + h``): (src_page, src_off, dst_page, dst_off), int64
+    [M] each, row after row.
 
-    ``kept[h]`` are the kept candidate indices of head h (sorted), ``src_table [H, P]`` the head-page id
-    of each of head h's candidate pages (candidate j sits in page ``src_table[h, j // bs]`` at offset
-    ``j % bs``), ``dst_page_ids [H, max_pages]`` the head's destination pages."""
+    ``kept[h]`` are the kept candidate indices of row h (sorted), ``src_table [H, P]`` the head-page id
+    of each of row h's candidate pages (candidate j sits in page ``src_table[h, j // bs]`` at offset
+    ``j % bs``), ``dst_page_ids [H, max_pages]`` the row's destination pages."""
     counts = torch.tensor([k.numel() for k in kept], dtype=torch.int64)
     if int(counts.sum()) == 0:
         e = torch.empty(0, dtype=torch.int64)

@@ -501,3 +501,62 @@ def test_pipeline_stages_plan_their_layers_as_the_whole_model_does():
         for hh in range(h):
             assert torch.equal(stage2.layout.kept_positions(layer, hh), whole.layout.kept_positions(layer + 2, hh))
     assert not torch.equal(alone.layout.pages, whole.layout.pages[2:])
+
+
+@pytest.mark.parametrize("policy,moments,layout,impl", [
+    ("snapkv", True, "amx", None), ("adakv", False, "transposed", None), ("h2o", False, "amx", None),
+    ("contour", True, "transposed", "torch")])
+def test_rounds_due_in_the_same_step_applied_together_equal_one_after_another(policy, moments, layout, impl,
+                                                                              monkeypatch):
+    """Four requests (one whose blocks another holds too: its rounds read those and write private blocks),
+    rounds on the same steps: applied together (``apply_rounds``, one compaction per layer) they keep the
+    same positions and leave bit-identical caches as applied one request after another, over several
+    rounds with moments and lanes borrowed across heads (an allocator that gives heads different pages)."""
+    from vllm_contour.evictor import apply_rounds
+
+    if impl is not None:
+        monkeypatch.setenv("VLLM_CONTOUR_OPS_IMPL", impl)
+    h, g, bs, d, layers, nb = 3, 3, 16, 32, 2, 240
+    key_layout = KEY_TRANSPOSED if layout == "transposed" else PageLayout.amx_bf16(bs, d)
+    runs = []
+    for batched in (False, True):
+        caches = [cpu_cache(nb, h, bs, d, seed=s, key_layout=key_layout)[1:] for s in range(layers)]
+        pool = list(range(nb - 1, 0, -1))
+        reqs = [_Request(caches, _truth(layers, h, d, 600, seed=10 + r), bs, pool) for r in range(4)]
+        params = resolve_request(EvictionConfig(policy=policy, budget=96, recent_window=8, sink_tokens=2,
+                                                moment_correction=moments), None)
+        pb = _budget(params, h, bs, d)
+        for r, req in enumerate(reqs):
+            req.append(150 + 16 * r)
+        reqs[3].block_ids[:4] = reqs[0].block_ids[:4]  # request 3 holds request 0's first blocks too
+        lays = [None] * 4
+        gq = torch.Generator().manual_seed(5)
+        positions = []
+        for _ in range(3):
+            plans = []
+            for r, req in enumerate(reqs):
+                qpos = torch.arange(req.n - 8, req.n)
+                queries = {layer: torch.randn(h * g, 8, d, generator=gq) for layer in range(layers)}
+                shared = r in (0, 3) and lays[r] is None  # blocks two requests hold: written by neither
+                fresh = [pool.pop() for _ in range(pb.kept_blocks)] if shared else None
+                plans.append(plan_round(caches, req.block_ids, req.n, params, pb, d ** -0.5, prev=lays[r],
+                                        queries=queries, query_positions=qpos, fresh_ids=fresh))
+            if batched:
+                lays = apply_rounds(caches, plans)
+            else:
+                lays = [apply_round(caches, p) for p in plans]
+            for r, (req, plan) in enumerate(zip(reqs, plans)):
+                for slot, _, new in plan.replaced:
+                    req.block_ids[slot] = new
+                for s in plan.freed_slots:
+                    req.block_ids[s] = -1
+                req.append(48)
+            positions.append([lay.positions.clone() for lay in lays])
+        if policy in ("adakv", "contour"):
+            assert any(bool((lay.pages != lay.pages[:, :1]).any()) for lay in lays)  # heads keep different pages
+        runs.append(([(kc.clone(), vc.clone()) for kc, vc in caches], positions))
+    (seq_caches, seq_pos), (bat_caches, bat_pos) = runs
+    for (k0, v0), (k1, v1) in zip(seq_caches, bat_caches):
+        assert torch.equal(k0.view(torch.int32), k1.view(torch.int32)) and torch.equal(v0, v1)
+    for a, b in zip(seq_pos, bat_pos):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

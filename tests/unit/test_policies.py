@@ -714,3 +714,23 @@ def test_ragged_rounds_respect_caps_forced_tokens_and_positions(name):
         kept_pos = x.positions[k]
         assert {0, 1} <= set(kept_pos.tolist())
         assert set(range(208, 216)) <= set(kept_pos.tolist())
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_a_policy_that_declares_no_use_of_values_selects_the_same_without_them(name):
+    """The evictor gathers values only for policies with a component that declares ``needs_values``: every
+    other preset keeps the same tokens from an input whose values are empty; those that declare it fail."""
+    g = torch.Generator().manual_seed(0)
+    h, layers, n, d, bs = 2, 2, 160, 16, 16
+    inp = LayerInputs(keys=torch.randn(layers * h, n, d, generator=g), values=torch.randn(layers * h, n, d, generator=g),
+                      region_len=n - n % bs, page_size=bs, layer_idx=0, num_layers=layers, scale=d ** -0.5,
+                      queries=torch.randn(layers * 2 * h, 8, d, generator=g), query_positions=torch.arange(n - 8, n))
+    pol = build_policy(name, sink_tokens=2, recent_window=8)
+    full = pol.plan_rows(inp, [4 * h] * layers, h)
+    blind = dataclasses.replace(inp, values=inp.values[:, :0])
+    if pol.needs_values:
+        with pytest.raises(Exception):
+            pol.plan_rows(blind, [4 * h] * layers, h)
+        return
+    assert [k.tolist() for s in pol.plan_rows(blind, [4 * h] * layers, h) for k in s.kept] == \
+        [k.tolist() for s in full for k in s.kept]

@@ -69,7 +69,7 @@ def test_fault_switch_names_failures_and_limits_the_random_ones():
     """TEST-ONLY switch: ``at`` names one failure of one request (a prefix with ``*``), which then gets no
     random ones; ``only`` keeps the random ones to ids with a prefix; forward / metadata failures fire in the
     N-th step a named request runs compacted; unknown keys are refused."""
-    from vllm_contour.integration.worker_side import FaultSwitch
+    from vllm_contour.integration.faults import FaultSwitch
 
     fs = FaultSwitch("plan=1,apply=1,only=X,at=apply:FA*:1,at=plan:P0:2,at=forward:FF0:2,at=metadata:FM0:1")
     assert fs.on
@@ -90,3 +90,33 @@ def test_fault_switch_names_failures_and_limits_the_random_ones():
     assert FaultSwitch("").step_errors(ids, st) == {} and not FaultSwitch(None).on
     with pytest.raises(ValueError, match="unknown key 'at'"):
         FaultSwitch("at=explode:X:1")
+
+
+def test_rounds_due_together_move_together_and_a_failure_stays_with_its_request(side):
+    """Three requests due in one step: their bytes move in one batch (one compaction per layer), each gets its
+    own report; a request whose round fails while applying (fault switch) is moved on its own and is the
+    only one recomputed."""
+    from vllm_contour.budget import page_budget
+    from vllm_contour.config import EvictionConfig, resolve_request
+    from vllm_contour.integration.metrics import ContourStats
+    from vllm_contour.integration.reports import Recompute, Round
+    from vllm_contour.integration.state import RoundItem
+    from vllm_contour.integration.worker_rounds import WorkerRounds
+    from vllm_contour.integration.faults import FaultSwitch
+
+    ws, st = side
+    layers, bs, d, per_req = 2, 16, 8, 8
+    ws._views = [make_cache("cpu_rows", 3 * per_req + 1, H, bs, d, torch.float32, seed=s)[1:] for s in range(layers)]
+    rounds = WorkerRounds(FaultSwitch("at=apply:b:1"))
+    params = resolve_request(EvictionConfig(policy="knorm", budget=32, recent_window=4, sink_tokens=2), None)
+    pb = page_budget(params.budget, num_kv_heads=H, block_size=bs, head_dim=d, elem_size=4,
+                     sink_tokens=params.sink_tokens, recent_window=params.recent_window, moments=False)
+    items = [RoundItem(req_id=r, block_ids=list(range(1 + i * per_req, 1 + (i + 1) * per_req)),
+                       num_tokens=per_req * bs - 5, params=params, budget=pb, seq=1) for i, r in enumerate("abc")]
+    for it in items:
+        st.state_for(it.req_id)
+    rep, stats = {}, ContourStats()
+    rounds.run(items, ws._views, d ** -0.5, None, rep, stats)
+    assert isinstance(rep["a"], Round) and isinstance(rep["c"], Round) and isinstance(rep["b"], Recompute)
+    assert st.requests["a"].layout is not None and st.requests["c"].layout is not None and "b" not in st.requests
+    assert stats.data.get("c:batched_rounds") == 2, stats.data

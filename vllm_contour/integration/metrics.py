@@ -30,6 +30,8 @@ COUNTERS = {
     "stale_reports": "Eviction reports ignored (request finished or preempted meanwhile)",
     "policy_seconds": "Worker time spent planning rounds (scoring, allocation, layout)",
     "compact_seconds": "Worker time spent moving kept tokens and storing moments",
+    "batched_rounds": "Rounds whose bytes moved together with other requests' rounds due in the same step "
+                      "(one compaction per layer)",
     "tokens_evicted": "Tokens evicted (summed over layers and KV heads, divided by layers x heads)",
 }
 LABELLED = {
@@ -44,7 +46,8 @@ HISTOGRAMS = {
                                [32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192]),
     "request_peak_kv_tokens": ("Peak KV tokens per KV head a request held in vLLM's pool",
                                [32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192]),
-    "round_seconds": ("Latency of one eviction round of one request on a worker (plan + apply)",
+    "round_seconds": ("Latency of one eviction round of one request on a worker (its plan + its share of the "
+                      "step's apply)",
                       [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]),
 }
 GAUGES = {

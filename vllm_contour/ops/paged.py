@@ -43,6 +43,23 @@ def pages(c: torch.Tensor, blk, lane=None) -> torch.Tensor:
     return p.reshape(*p.shape[:-4], bs, d)
 
 
+def gather_pages(views: list[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """Head-pages ``ids`` (``block * H + lane``; ``[M]`` for every layer, or ``[L, M]``) of every layer's cache
+    view in logical order, one new tensor ``[L, M, bs, D]``: one copy per layer (an ``index_select`` straight
+    into the result where a view's blocks and lanes merge into one axis, as in vLLM's caches)."""
+    _, h, bs, d = dims(views[0])
+    m = ids.shape[-1]
+    out = torch.empty((len(views), m, bs, d), dtype=views[0].dtype, device=views[0].device)
+    for layer, c in enumerate(views):
+        idx = (ids if ids.dim() == 1 else ids[layer]).to(torch.int64)
+        dst = out[layer] if c.dim() == 4 else out[layer].view(m, *c.shape[2:])
+        if c.stride(0) == c.shape[1] * c.stride(1):
+            torch.index_select(c.flatten(0, 1), 0, idx, out=dst)
+        else:
+            dst.copy_(c[idx // h, idx % h])
+    return out
+
+
 def set_pages(c: torch.Tensor, blk, lane, x: torch.Tensor) -> None:
     if c.dim() == 4:
         c[blk, lane] = x

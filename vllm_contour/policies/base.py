@@ -23,7 +23,8 @@ class LayerInputs:
     """What a policy may look at for one (request, layer).
 
     keys / values: ``[H, T, D]`` post-RoPE keys and values of every prompt token that has KV
-    (``T = num_prompt_tokens``), in the cache dtype. Tokens ``[0, region_len)`` are the candidates.
+    (``T = num_prompt_tokens``), in the cache dtype; values may be empty (``[H, 0, D]``) for a policy none of
+    whose components declares ``needs_values``. Tokens ``[0, region_len)`` are the candidates.
     queries: ``[Hq, W, D]`` post-RoPE queries of the observation window (the last ``W`` tokens before
     ``window_end``), or None when the engine did not capture any (query-free policies).
     query_positions: ``[W]`` absolute positions of those queries.

@@ -42,6 +42,12 @@ class Policy:
         return any(bool(getattr(p, "needs_queries", False)) for p in parts if p is not None)
 
     @property
+    def needs_values(self) -> bool:
+        """True when any component reads ``LayerInputs.values`` (else the caller may hand an empty tensor)."""
+        parts = (self.scorer, self.alloc_scorer, self.allocator, self.selector)
+        return any(bool(getattr(p, "needs_values", False)) for p in parts if p is not None)
+
+    @property
     def accumulates(self) -> bool:
         """True when the ranking scorer carries its scores into the next round (H2O)."""
         return bool(getattr(self.scorer, "accumulates", False))
@@ -113,36 +119,48 @@ class Policy:
         inp = dataclasses.replace(inp, budget_pages=share)
         scores = self._score(self.scorer, inp)
         alloc_scores = scores if self.alloc_scorer is None else self._score(self.alloc_scorer, inp)
-        out = []
+        pages = []
         for layer, view in enumerate(views):
             rows = slice(layer * h, (layer + 1) * h)
-            view = dataclasses.replace(view, budget_pages=layer_totals[layer])
-            out.append(self._allocate_select(view, scores[rows], alloc_scores[rows], forced[rows], floors[layer],
-                                             layer_totals[layer]))
-        return out
+            views[layer] = dataclasses.replace(view, budget_pages=layer_totals[layer])
+            budget = LayerBudget(total_pages=layer_totals[layer], floor_pages=floors[layer], forced=forced[rows])
+            pages.append(self.allocator.allocate(alloc_scores[rows], views[layer], budget))
+        ranked = self._ranked(scores, forced, inp)
+        if getattr(self.selector, "rowwise", False):  # every layer's rows in one call
+            kept = self.selector.select(ranked, torch.cat(pages), inp)
+        else:
+            kept = [k for layer, view in enumerate(views)
+                    for k in self.selector.select(ranked[layer * h:(layer + 1) * h], pages[layer], view)]
+        self._check(torch.cat(pages), kept, inp)
+        keep_scores = self.accumulates
+        return [Selection(kept=kept[layer * h:(layer + 1) * h],
+                          scores=[scores[r, kept[r]] for r in range(layer * h, (layer + 1) * h)] if keep_scores else None)
+                for layer in range(n_layers)]
 
-    def _allocate_select(self, inp: LayerInputs, scores: torch.Tensor, alloc_scores: torch.Tensor,
-                         forced: torch.Tensor, floor: int, total_pages: int) -> Selection:
-        budget = LayerBudget(total_pages=total_pages, floor_pages=floor, forced=forced)
-        pages = self.allocator.allocate(alloc_scores, inp, budget)
+    @staticmethod
+    def _ranked(scores: torch.Tensor, forced: torch.Tensor, inp: LayerInputs) -> torch.Tensor:
+        """What the selector ranks: forced tokens first; in a ragged input padding last, whatever a candidate
+        scored."""
+        ranked = scores.masked_fill(forced, float("inf"))
+        if inp.is_ragged:
+            finite_min = torch.finfo(ranked.dtype).min
+            ranked = torch.where(inp.candidate_mask(), ranked.nan_to_num(nan=finite_min, neginf=finite_min),
+                                 torch.full_like(ranked, -float("inf")))
+        return ranked
+
+    @staticmethod
+    def _check(pages: torch.Tensor, kept: list[torch.Tensor], inp: LayerInputs) -> None:
+        """Every row's pages within its candidates, and the selector kept exactly that many of them."""
         caps = inp.head_caps()
         if bool((pages > caps).any()) or bool((pages < 0).any()):
             raise AssertionError(f"allocator gave pages {pages.tolist()} outside the heads' candidates "
                                  f"{caps.tolist()}")
-        ranked = scores.masked_fill(forced, float("inf"))
-        if inp.is_ragged:
-            # padding never wins over a candidate, whatever the candidate scored
-            finite_min = torch.finfo(ranked.dtype).min
-            ranked = torch.where(inp.candidate_mask(), ranked.nan_to_num(nan=finite_min, neginf=finite_min),
-                                 torch.full_like(ranked, -float("inf")))
-        kept = self.selector.select(ranked, pages, inp)
-        for hh, k in enumerate(kept):
-            if k.numel() != int(pages[hh]) * inp.page_size:
-                raise AssertionError(f"selector kept {k.numel()} tokens for head {hh}, "
-                                     f"expected {int(pages[hh]) * inp.page_size}")
-            if k.numel() and int(k.max()) >= int(caps[hh]) * inp.page_size:
-                raise AssertionError(f"selector kept a padding entry of head {hh}")
-        return Selection(kept=kept, scores=[scores[hh, k] for hh, k in enumerate(kept)])
+        counts = torch.tensor([k.numel() for k in kept], dtype=torch.int64)
+        if not torch.equal(counts, pages.to(torch.int64) * inp.page_size):
+            raise AssertionError(f"selector kept {counts.tolist()} tokens per row, expected "
+                                 f"{(pages * inp.page_size).tolist()}")
+        if counts.sum() and bool((torch.cat(kept) >= (caps * inp.page_size).repeat_interleave(counts)).any()):
+            raise AssertionError("selector kept a padding entry")
 
     @staticmethod
     def _score(scorer: Scorer, inp: LayerInputs) -> torch.Tensor:

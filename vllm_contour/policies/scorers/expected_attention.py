@@ -40,6 +40,10 @@ class ExpectedAttentionScorer:
     epsilon: float = 0.0
     needs_queries: bool = False
 
+    @property
+    def needs_values(self) -> bool:
+        return bool(self.use_vnorm)
+
     def statistics(self, inp: LayerInputs) -> tuple[torch.Tensor, torch.Tensor, str]:
         """``(mu [S, D], Sigma [S, D, D], source)`` with S = query heads ("queries") or KV heads
         ("keys")."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -40,6 +41,7 @@ class MomentScorer:
 
     weight: Scorer = field(default_factory=H2OScorer)
     iterate: bool = True
+    needs_values: ClassVar[bool] = True
 
     @property
     def needs_queries(self) -> bool:

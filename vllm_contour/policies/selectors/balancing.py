@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -32,6 +33,7 @@ class BalancingSelector:
     max_swaps: int = 64
     pool: int = 16
     needs_queries: bool = True
+    needs_values: ClassVar[bool] = True
 
     def select(self, scores: torch.Tensor, pages: torch.Tensor, inp: LayerInputs) -> list[torch.Tensor]:
         kept = TopKSelector().select(scores, pages, inp)

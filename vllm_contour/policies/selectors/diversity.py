@@ -55,6 +55,10 @@ class DiversitySelector:
 
     lam: float = 0.5
 
+    @property
+    def needs_values(self) -> bool:
+        return self.lam != 0
+
     def __post_init__(self):
         if not self.lam >= 0:  # a negative penalty would reward duplicates (and break the min update)
             raise ValueError(f"diversity lam must be >= 0, got {self.lam}")

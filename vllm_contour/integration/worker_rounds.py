@@ -1,0 +1,141 @@
+"""The step's eviction rounds on a worker, after the forward (all layers' KV written). Each round is planned
+completely on its own first (policy, allocation, layout, moment pages, bounds; nothing written): a plan
+that fails leaves its request exactly as it was and is reported ``plan_failed``. Then the bytes of all
+planned rounds move together (``evictor.apply_rounds``: one compaction per layer for every request due in
+the step); a failure from there on is reported ``recompute`` for the rounds that moved bytes in place and
+their state is dropped, so the scheduler recomputes them densely. Nothing here raises into vLLM's engine
+loop."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable
+
+import torch
+from vllm.logger import init_logger
+
+from vllm_contour import ops
+from vllm_contour.evictor import FaultInjected, RoundPlan, apply_rounds, clear_moment_pages, plan_round
+from vllm_contour.integration.faults import FaultSwitch
+from vllm_contour.integration.metrics import ContourStats
+from vllm_contour.integration.reports import Noop, Outcome, PlanFailed, Recompute, Round
+from vllm_contour.integration.state import RoundItem, worker_state
+from vllm_contour.policies import build_policy
+
+logger = init_logger("vllm.contour")
+
+Views = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def clear_unread(views: Views, layout, owner: str) -> None:
+    """Zero a layout's moment pages (raw fp32 bits, NaN patterns in bf16 slots) once nothing reads them:
+    no shared compressed context and no request on this worker holds the layout any more."""
+    if layout is None or layout.moment_page_ids is None:
+        return
+    st = worker_state()
+    if any(x is layout for x in st.shared.values()) or any(o.layout is layout for o in st.requests.values()):
+        return
+    try:
+        clear_moment_pages(views, layout)
+    except Exception as e:  # never into vLLM
+        logger.warning("kv_eviction: %s: could not clear its moment pages (%s)", owner, e)
+
+
+class WorkerRounds:
+    def __init__(self, faults: FaultSwitch):
+        self.faults = faults
+        self._policies: dict[tuple, object] = {}
+
+    def run(self, items: list[RoundItem], views: Views, scale: float, layers: tuple[int, int] | None,
+            report: dict[str, Outcome], stats: ContourStats) -> None:
+        """Plan every round, move the planned ones together (a round the test-only fault switch fails while
+        applying is moved on its own), put each request's outcome into ``report``."""
+        planned = [p for p in (self._plan(item, views, scale, layers, report) for item in items) if p is not None]
+        alone = [p for p in planned if self.faults.hit("apply", p[0].req_id, p[0].seq)]
+        batch = [p for p in planned if not any(p is a for a in alone)]
+        for group, fail_at in [(batch, None)] + [([p], 0) for p in alone]:
+            if not group:
+                continue
+            t0 = time.perf_counter()
+            try:
+                apply_rounds(views, [plan for _, plan, _ in group], fail_after_layer=fail_at)
+            except Exception as e:
+                for item, plan, _ in group:
+                    report[item.req_id] = self._apply_failed(item, plan, f"{type(e).__name__}: {e}",
+                                                             lambda lay: clear_unread(views, lay, item.req_id))
+                continue
+            share = (time.perf_counter() - t0) / len(group)
+            for item, plan, plan_seconds in group:
+                report[item.req_id] = self._applied(item, plan, views, stats, plan_seconds, share)
+        if len(batch) > 1:
+            stats.add("batched_rounds", len(batch))
+
+    def _policy(self, params):
+        key = (params.policy, params.sink_tokens, params.recent_window,
+               json.dumps(params.policy_args, sort_keys=True))
+        pol = self._policies.get(key)
+        if pol is None:
+            if len(self._policies) > 256:
+                self._policies.clear()
+            pol = self._policies[key] = build_policy(params.policy, params.policy_args,
+                                                     sink_tokens=params.sink_tokens,
+                                                     recent_window=params.recent_window)
+        return pol
+
+    def _plan(self, item: RoundItem, views: Views, scale: float, layers, report: dict):
+        """-> ``(item, plan, seconds)``, or None with the outcome reported (nothing to evict, or failed)."""
+        rs = worker_state().state_for(item.req_id)
+        t0 = time.perf_counter()
+        try:
+            if self.faults.hit("plan", item.req_id, item.seq):
+                raise FaultInjected("fault switch: plan failed")
+            queries, qpos = rs.ring.layer_queries() if rs.ring is not None else (None, None)
+            plan = plan_round(views, item.block_ids, item.num_tokens, item.params, item.budget, scale,
+                              prev=rs.layout, queries=queries, query_positions=qpos,
+                              policy=self._policy(item.params), fresh_ids=item.fresh_ids, layers=layers)
+        except Exception as e:
+            report[item.req_id] = PlanFailed(item.seq, f"{type(e).__name__}: {e}")
+            return None
+        if plan is None:
+            report[item.req_id] = Noop(item.seq)
+            return None
+        return item, plan, time.perf_counter() - t0
+
+    @staticmethod
+    def _apply_failed(item: RoundItem, plan: RoundPlan, reason: str, clear: Callable) -> Outcome:
+        if plan.fresh:  # only the private blocks were written: the request's cache is as it was
+            return PlanFailed(item.seq, f"apply: {reason}")
+        worker_state().drop(item.req_id)  # its cache no longer matches any layout: the scheduler recomputes it
+        for lay in (plan.prev, plan.layout):
+            clear(lay)
+        return Recompute(item.seq, reason)
+
+    @staticmethod
+    def _applied(item: RoundItem, plan: RoundPlan, views: Views, stats: ContourStats, plan_seconds: float,
+                 apply_seconds: float) -> Outcome:
+        layout = plan.layout
+        worker_state().set_layout(item.req_id, layout)
+        stats.add("policy_seconds", plan_seconds)
+        stats.add("compact_seconds", apply_seconds)
+        stats.add("tokens_evicted", plan.evicted_tokens / max(1, layout.num_layers * layout.num_kv_heads))
+        stats.observe("round_seconds", plan_seconds + apply_seconds)
+        return Round(item.seq, layout.region_blocks, layout.kept_blocks,
+                     freed=tuple(zip(plan.freed_slots, plan.freed_blocks)), replaced=tuple(map(tuple, plan.replaced)),
+                     published=WorkerRounds._publish(item, layout, views))
+
+    @staticmethod
+    def _publish(item: RoundItem, layout, views: Views) -> int | None:
+        """Keep a context round's layout (and a snapshot of its partial block, copied before any question
+        token is written into it) as a shared compressed context; None when there is none or it failed."""
+        if item.publish is None:
+            return None
+        eid, src, dst = item.publish
+        try:
+            if src is not None:
+                ops.copy_blocks(views, [(src, dst)])
+            worker_state().shared[eid] = layout
+            return eid
+        except Exception as e:
+            logger.warning("kv_eviction: %s: the compressed context is not shared (%s)", item.req_id, e)
+            return None
