@@ -73,19 +73,20 @@ def plan_round(caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[
                params: RequestEviction, budget: PageBudget, scale: float, prev: RequestLayout | None = None,
                queries: dict[int, torch.Tensor] | None = None, query_positions: torch.Tensor | None = None,
                policy: Policy | None = None, fresh_ids: list[int] | None = None,
-               layers: tuple[int, int] | None = None) -> RoundPlan | None:
+               layers: tuple[int, int] | None = None, reconstruction: torch.Tensor | None = None) -> RoundPlan | None:
     """Plan one round. Returns None when there is nothing to evict (every layer's candidates fit in its
     budget, or no new full block since the last round). Raises ``PlanError`` (or the policy's error) when
     the round cannot be planned; nothing has been written then. ``layers``: (index of ``caches[0]`` among
     the model's layers, the model's layer count) when these caches are one pipeline stage's (policies that
-    depend on depth, e.g. PyramidKV, see the whole model); default ``(0, len(caches))``."""
+    depend on depth, e.g. PyramidKV, see the whole model); default ``(0, len(caches))``. ``reconstruction``:
+    ``[L, H, C]`` KVzip scores of the context (policies that score with the context reconstruction)."""
     with on_device(caches[0][0]):
         return _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, queries, query_positions,
-                           policy, fresh_ids, layers or (0, len(caches)))
+                           policy, fresh_ids, layers or (0, len(caches)), reconstruction)
 
 
 def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, queries, query_positions, policy,
-                fresh_ids, layers) -> RoundPlan | None:
+                fresh_ids, layers, reconstruction=None) -> RoundPlan | None:
     t0 = time.perf_counter()
     key0 = caches[0][0]
     _, h, bs, d = dims(key0)
@@ -99,6 +100,9 @@ def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, quer
         raise PlanError(f"request has {len(block_ids)} blocks, {n_blocks} needed for {num_tokens} tokens")
     if policy.needs_queries and not queries:
         raise PlanError(f"policy {policy.name} needs window queries; none were captured")
+    if policy.needs_reconstruction and (prev is not None or reconstruction is None):
+        raise PlanError(f"policy {policy.name} scores the context once, from its reconstruction: "
+                        + ("no round after it" if prev is not None else "none ran for this round"))
     if prev is None:
         window_end = min(num_tokens, params.context_len) if params.context_len else num_tokens
         e_new = window_end // bs
@@ -120,6 +124,11 @@ def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, quer
         inp, src_tables, cand_pos = _first_round_inputs(caches, blocks, num_tokens, e_new, block_ids, h, scale,
                                                         q_all, query_positions, window_end, layers,
                                                         policy.needs_values)
+        if policy.needs_reconstruction:
+            if reconstruction.shape[:2] != (num_layers, h) or reconstruction.shape[2] < inp.region_len:
+                raise PlanError(f"reconstruction scores {tuple(reconstruction.shape)} do not cover {num_layers} "
+                                f"layers x {h} heads x {inp.region_len} tokens")
+            inp.reconstruction = reconstruction.reshape(num_layers * h, -1)
     else:
         inp, src_tables, cand_pos = _round_inputs(caches, blocks, num_tokens, prev, e_new, scale, q_all,
                                                   query_positions, policy.accumulates, layers, policy.needs_values)

@@ -1104,11 +1104,101 @@ def run_compare(llm, spec, res):
     res["ops_calls"] = {f"{op}:{impl}": n for (op, impl), n in ops.CALLS.items()}
 
 
+def run_kvzip(llm, spec, res):
+    """KVzip inside the engine (prefix caching on): request KA (chat-template prefix + a context, then a
+    question; ``kv_context_len`` = the context, ``kvzip`` at 128) beside KN (no eviction) in the same steps;
+    then KN alone; then KB, the same context with another question. Per step: KA's computed tokens after the
+    step (and, when the scheduler schedules hidden reconstruction requests, their ids and blocks then); the reconstruction scores the round planned with (the
+    worker's ``plan_round`` call, watched); KA's kept positions, tokens and log-probabilities; the reference
+    counts of the hidden requests' blocks at the end (vLLM's pool); the scheduler's counters around KB."""
+    from vllm import SamplingParams
+
+    from vllm_contour.integration import worker_rounds
+    from vllm_contour.reconstruction import RepeatPrompt
+
+    tok = llm.get_tokenizer()
+    rp = RepeatPrompt.from_tokenizer(tok)
+    ctx = list(rp.prefix) + _text_prompts(tok, [spec.get("kz_context", 700)], 61)[0]
+    q1 = tok.encode(" Question: what did the people keep records of? Answer:", add_special_tokens=False)
+    q2 = tok.encode(" Question: who wrote the numbers down? Answer:", add_special_tokens=False)
+    other = _text_prompts(tok, [200], 62)[0]
+    engine, core = llm.llm_engine, _core(llm)
+    sched = core.scheduler
+    mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
+    seen: list = []
+    real = worker_rounds.plan_round
+
+    def watched(*a, **kw):
+        if kw.get("reconstruction") is not None:
+            seen.append(kw["reconstruction"].clone())
+        return real(*a, **kw)
+
+    recon = sched.connector.scheduler_side.recon
+    real_step = recon.step
+    trace, hidden_blocks, kept = [], set(), None
+
+    def watched_step(scheduled, *a):  # the scheduler's step of the hidden requests: what they hold then
+        n = real_step(scheduled, *a)
+        for r in scheduled:
+            hidden_blocks.update(b.block_id for b in mgr.req_to_blocks.get(r, []) if not b.is_null)
+        ka = next((r for k, r in sched.requests.items() if k.startswith("KA")), None)
+        trace.append({"ka": None if ka is None else ka.num_computed_tokens, "hidden": sorted(scheduled)})
+        return n
+
+    kz = {"kv_policy": "kvzip", "kv_budget": 128, "kv_context_len": len(ctx)}
+    sp = dict(temperature=0, ignore_eos=True, logprobs=1)
+    worker_rounds.plan_round = watched
+    recon.step = watched_step
+    try:
+        engine.add_request("KA", {"prompt_token_ids": ctx + q1}, SamplingParams(max_tokens=10, extra_args=kz, **sp))
+        engine.add_request("KN", {"prompt_token_ids": other},
+                           SamplingParams(max_tokens=30, extra_args={"kv_policy": "none"}, **sp))
+        outs: dict = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    toks = list(o.outputs[0].token_ids)
+                    outs[o.request_id] = {"tokens": toks, "logprobs": [float(d[t].logprob) for t, d in
+                                                                       zip(toks, o.outputs[0].logprobs)]}
+            ka = next((r for k, r in sched.requests.items() if k.startswith("KA")), None)
+            trace.append({"ka": None if ka is None else ka.num_computed_tokens, "hidden": []})
+            lay = _layout_of("KA")
+            if lay is not None and kept is None:
+                kept = [[lay.kept_positions(layer, h).tolist() for h in range(lay.num_kv_heads)]
+                        for layer in range(lay.num_layers)]
+        engine.add_request("KN2", {"prompt_token_ids": other},
+                           SamplingParams(max_tokens=30, extra_args={"kv_policy": "none"}, **sp))
+        alone = _drain(llm)
+        side = sched.connector.scheduler_side
+        before = {"reconstructions": side.totals.reconstructions, "shared_hits": side.totals.shared_hits}
+        engine.add_request("KB", {"prompt_token_ids": ctx + q2}, SamplingParams(max_tokens=10, extra_args=kz, **sp))
+        kb_first = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            kb = next((r for k, r in sched.requests.items() if k.startswith("KB")), None)
+            if kb is not None and not kb_first:
+                kb_first.append(kb.num_computed_tokens)
+        after = {"reconstructions": side.totals.reconstructions, "shared_hits": side.totals.shared_hits}
+    finally:
+        worker_rounds.plan_round = real
+        recon.step = real_step
+    pool = sched.kv_cache_manager.block_pool
+    res["kvzip"] = {
+        "context": ctx, "question": q1, "chunks_prefix": list(rp.prefix),
+        "repeat": {"first": list(rp.first), "later": list(rp.later), "suffix": list(rp.suffix)},
+        "trace": trace, "kept": kept, "outs": outs, "alone": alone.get("KN2"),
+        "scores": [s.tolist() for s in seen],
+        "hidden_blocks": sorted(hidden_blocks),
+        "hidden_refs": [pool.blocks[b].ref_cnt for b in sorted(hidden_blocks)],
+        "counters_kb": [before, after], "kb_first_computed": kb_first[0] if kb_first else None, "kb_prompt": len(ctx + q2),
+        "tokens_counted": side.totals.reconstruction_tokens}
+
+
 SCENARIOS = {"compare": run_compare, "fault_paths": run_fault_paths, "fault_prefix": run_fault_prefix, "greedy_exact": run_greedy_exact,
              "hybrid": run_hybrid, "shared_context": run_shared_context, "greedy_none": run_greedy_none, "prefix_stream": run_prefix_stream, "streaming_input": run_streaming_input, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
              "short_moments": run_short_moments, "faults": run_faults,
              "parallel": run_parallel, "greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
-             "preempt_abort": run_preempt_abort}
+             "preempt_abort": run_preempt_abort, "kvzip": run_kvzip}
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -1146,3 +1236,4 @@ def main(spec_path: str, out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+

@@ -589,3 +589,81 @@ def test_unknown_cache_layout_stops_engine_start_up(tiny_model_dir):
     assert "unknown layout of vLLM's CPU cache for isa=vec dtype=float32 block_size=32" in res["log"], \
         res["log"][-3000:]
     assert "without --kv-eviction-policy" in res["log"]
+
+
+def test_kvzip_reconstructs_the_context_inside_the_engine(prefix_cached, model_dir):
+    """KVzip in vLLM (prefix caching on): the context's reconstruction runs as hidden requests while the
+    owner waits at its boundary and another request goes on; the scores the round planned with equal a
+    direct computation on the transformers model (the same reconstruction prompt, chunk and max over queries
+    and the GQA group), layer by layer and head by head; the owner's answer log-probabilities equal the oracle
+    that keeps exactly its kept positions; the hidden requests' blocks are back in vLLM's pool; a second
+    request with the same context adopts the compressed context without a reconstruction."""
+    import torch
+
+    from benchmarks.perplexity import capture_context, forward_capture, forward_masked, load_model
+    from vllm_contour.reconstruction import RepeatPrompt, chunks
+
+    kz = prefix_cached["kvzip"]
+    ctx, q1 = kz["context"], kz["question"]
+    c = len(ctx)
+    # the owner computes nothing past C while its context is reconstructed, then goes on
+    held = [s for s in kz["trace"] if s["hidden"]]
+    assert held and all(s["ka"] == c for s in held), kz["trace"]
+    assert max(s["ka"] or 0 for s in kz["trace"]) > c
+    first = kz["trace"].index(held[0])  # while KA prefilled its context the step before, nothing was hidden
+    assert kz["trace"][first - 1]["ka"] == c and not kz["trace"][first - 1]["hidden"]
+    # the other request's tokens are those it gets alone
+    assert kz["outs"]["KN"]["tokens"] == kz["alone"]
+    # the hidden requests' blocks: back in vLLM's pool (reference count 0)
+    assert kz["hidden_blocks"] and all(r == 0 for r in kz["hidden_refs"]), kz["hidden_refs"]
+    # the same context again: the shared compressed context is adopted, nothing is reconstructed
+    (b0, b1) = kz["counters_kb"]
+    assert b1["reconstructions"] == b0["reconstructions"] and b1["shared_hits"] == b0["shared_hits"] + 1
+    # its first step computed the whole prompt: the context was the hit, only the question was prefilled (without
+    # the shared context the prefill would stop at the boundary C)
+    assert kz["kb_first_computed"] == kz["kb_prompt"]
+
+    rp = RepeatPrompt(tuple(kz["chunks_prefix"]), tuple(kz["repeat"]["first"]), tuple(kz["repeat"]["later"]),
+                      tuple(kz["repeat"]["suffix"]))
+    parts = chunks(ctx, c, rp)
+    assert parts[0].span[0] == len(rp.prefix) > 0  # the chat template's prefix is not repeated
+    assert kz["tokens_counted"] >= sum(len(p.repeat) for p in parts)
+    model, _ = load_model(model_dir)
+    scale = 64 ** -0.5
+    want = torch.zeros(len(kz["scores"][0]), len(kz["scores"][0][0]), c, dtype=torch.float64)
+    want[:, :, :4] = 1.0
+    for part in parts:
+        s, e = part.span
+        got_q, got_k = {}, {}
+
+        def grab(layer, q, k, v):
+            got_q[layer], got_k[layer] = q[:, c:].double(), k.double()
+
+        forward_capture(model, torch.tensor(ctx + list(part.repeat)), grab, logits_to_keep=1)
+        for layer in range(want.shape[0]):
+            q, k = got_q[layer], got_k[layer]
+            h, n = k.shape[0], q.shape[1]
+            keys = torch.cat([k[:, :min(4, s)], k[:, s:e], k[:, c:]], dim=1)
+            logits = torch.einsum("hnd,htd->hnt", q, keys.repeat_interleave(q.shape[0] // h, 0)) * scale
+            logits[:, :, -n:] += torch.triu(torch.full((n, n), float("-inf"), dtype=torch.float64), 1)
+            w = torch.softmax(logits, -1)[:, :, min(4, s):min(4, s) + e - s]
+            want[layer, :, s:e] = torch.maximum(want[layer, :, s:e], w.view(h, -1, n, e - s).amax(dim=(1, 2)))
+    got = torch.tensor(kz["scores"][0], dtype=torch.float64)
+    assert len(kz["scores"]) == 1 and got.shape == want.shape
+    for layer in range(want.shape[0]):
+        torch.testing.assert_close(got[layer], want[layer], atol=2e-3, rtol=2e-2, msg=f"layer {layer}")
+    # the answer over the compressed context equals the oracle that keeps exactly those positions
+    region = c // 32
+    keep = {}
+    for layer, heads in enumerate(kz["kept"]):
+        m = torch.zeros(len(heads), c, dtype=torch.bool)
+        for hh, pos in enumerate(heads):
+            m[hh, pos] = True
+        m[:, region * 32:] = True
+        keep[layer] = m
+    _, prefix, _ = capture_context(model, torch.tensor(ctx + q1), c, 32)
+    run = kz["outs"]["KA"]
+    logits = forward_masked(model, torch.tensor(q1 + run["tokens"][:-1]), prefix, keep)
+    lp = torch.log_softmax(logits[len(q1) - 1:].double(), dim=-1)
+    oracle = lp.gather(1, torch.tensor(run["tokens"]).view(-1, 1)).squeeze(1)
+    assert (oracle - torch.tensor(run["logprobs"], dtype=torch.float64)).abs().max().item() < 2e-3

@@ -23,6 +23,9 @@ from vllm_contour.policies.selectors import diversity
 from vllm_contour.moments import accumulate, residual_norms
 
 ALL = policy_names()
+# Decode-time (ragged) rounds: every preset but those that score the context once, by its reconstruction
+# (kvzip, contour_kvzip: one round at the context boundary, ``test_reconstruction_presets_have_no_ragged_round``)
+RAGGED = [n for n in ALL if not build_policy(n).needs_reconstruction]
 QUERY_FREE = [n for n in ALL if not build_policy(n).needs_queries]
 
 
@@ -36,9 +39,11 @@ def make_inp(h=2, hq=4, t=100, d=8, bs=8, region_pages=None, window_end=None, w=
         region_pages = ce // bs
     q = torch.randn(hq, w, d, generator=g) * 2 if queries else None
     qpos = torch.arange(ce - w, ce) if (queries and positions) else None
+    # KVzip's scores of the context (what the engine's reconstruction hands kvzip and contour_kvzip)
+    recon = torch.rand(h, ce, generator=g)
     return LayerInputs(keys=keys, values=values, region_len=region_pages * bs, page_size=bs,
                        layer_idx=layer_idx, num_layers=num_layers, scale=d ** -0.5, queries=q,
-                       query_positions=qpos, window_end=window_end)
+                       query_positions=qpos, window_end=window_end, reconstruction=recon)
 
 
 class ConstScorer:
@@ -520,7 +525,7 @@ def test_preset_ignores_question_tokens(name):
     alt = LayerInputs(keys=k2, values=v2, region_len=base.region_len, page_size=8, layer_idx=0, num_layers=4,
                       scale=base.scale, queries=torch.cat([base.queries, q_question], dim=1),
                       query_positions=torch.cat([base.query_positions, torch.arange(we, we + 5)]),
-                      window_end=we)
+                      window_end=we, reconstruction=base.reconstruction)
     sel2 = pol.plan_layer(alt, 9)
     for a, b in zip(sel.kept, sel2.kept):
         assert torch.equal(a, b)
@@ -673,7 +678,7 @@ def _split_heads(inp: LayerInputs) -> list[LayerInputs]:
             for i in range(h)]
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", RAGGED)
 def test_ragged_planning_equals_aligned_when_heads_share_candidates(name):
     """Scorers work per KV head, so scoring each head on its own (a round's path) and padding the rows
     gives exactly the kept sets of the whole-layer path when every head has the same candidates."""
@@ -688,7 +693,7 @@ def test_ragged_planning_equals_aligned_when_heads_share_candidates(name):
         assert [k.tolist() for k in a.kept] == [k.tolist() for k in b.kept], (name, seed)
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", RAGGED)
 def test_ragged_rounds_respect_caps_forced_tokens_and_positions(name):
     """Heads with different candidates (own kept run + a shared tail, original positions): pages never pass
     a head's candidates, padding is never kept, the sinks and the most recent positions always are, and
@@ -724,7 +729,8 @@ def test_a_policy_that_declares_no_use_of_values_selects_the_same_without_them(n
     h, layers, n, d, bs = 2, 2, 160, 16, 16
     inp = LayerInputs(keys=torch.randn(layers * h, n, d, generator=g), values=torch.randn(layers * h, n, d, generator=g),
                       region_len=n - n % bs, page_size=bs, layer_idx=0, num_layers=layers, scale=d ** -0.5,
-                      queries=torch.randn(layers * 2 * h, 8, d, generator=g), query_positions=torch.arange(n - 8, n))
+                      queries=torch.randn(layers * 2 * h, 8, d, generator=g), query_positions=torch.arange(n - 8, n),
+                      reconstruction=torch.rand(layers * h, n, generator=g))
     pol = build_policy(name, sink_tokens=2, recent_window=8)
     full = pol.plan_rows(inp, [4 * h] * layers, h)
     blind = dataclasses.replace(inp, values=inp.values[:, :0])
@@ -734,3 +740,21 @@ def test_a_policy_that_declares_no_use_of_values_selects_the_same_without_them(n
         return
     assert [k.tolist() for s in pol.plan_rows(blind, [4 * h] * layers, h) for k in s.kept] == \
         [k.tolist() for s in full for k in s.kept]
+
+
+def test_reconstruction_presets_have_no_ragged_round():
+    """kvzip and contour_kvzip score a context once: the scheduler runs no round after it (T = 0), and the
+    evictor refuses one."""
+    from vllm_contour.evictor import PlanError, plan_round
+
+    names = [n for n in ALL if build_policy(n).needs_reconstruction]
+    assert names == ["contour_kvzip", "kvzip"]
+
+    class Prev:  # a compacted request's layout: the round would be a decode-time one
+        region_blocks = 1
+
+    kc = torch.zeros(4, 2, 8, 8)
+    for name in names:
+        with pytest.raises(PlanError, match="once"):
+            plan_round([(kc, kc)], [0, 1, 2], 20, None, type("B", (), {"num_kv_heads": 2, "block_size": 8})(), 1.0,
+                       prev=Prev(), policy=build_policy(name), reconstruction=torch.zeros(1, 2, 20))

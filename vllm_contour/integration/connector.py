@@ -78,6 +78,15 @@ def cache_shape(kv_cache_config: "KVCacheConfig") -> CacheShape:
     return eviction_group(kv_cache_config).shape
 
 
+def _repeat_prompt(model_config):
+    """KVzip's reconstruction prompt in the model's tokenizer (made when a context is first reconstructed)."""
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    from vllm_contour.reconstruction import RepeatPrompt
+
+    return RepeatPrompt.from_tokenizer(cached_tokenizer_from_config(model_config))
+
+
 class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None):
@@ -92,7 +101,8 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
                                                 None if group is None else group.shape,
                                                 model_id=f"{mc.model}@{mc.revision}",
                                                 group=0 if group is None else group.index,
-                                                num_groups=1 if group is None else group.num_groups)
+                                                num_groups=1 if group is None else group.num_groups,
+                                                repeat_prompt=lambda: _repeat_prompt(mc))
         else:
             self.worker_side = WorkerSide(vllm_config, self.config,
                                           layer_names=None if group is None else group.layer_names)

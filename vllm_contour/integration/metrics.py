@@ -32,6 +32,10 @@ COUNTERS = {
     "compact_seconds": "Worker time spent moving kept tokens and storing moments",
     "batched_rounds": "Rounds whose bytes moved together with other requests' rounds due in the same step "
                       "(one compaction per layer)",
+    "reconstructions": "Contexts reconstructed for KVzip scores (kvzip, contour_kvzip), by hidden requests that "
+                       "repeat them",
+    "reconstruction_tokens": "Tokens the reconstructions computed (their repeat tokens, and the context where it "
+                             "was not a prefix-cache hit)",
     "tokens_evicted": "Tokens evicted (summed over layers and KV heads, divided by layers x heads)",
 }
 LABELLED = {

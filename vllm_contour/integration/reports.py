@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from vllm_contour.integration.state import CaptureItem, RoundItem
+from vllm_contour.integration.state import CaptureItem, ReconItem, RoundItem
 
 
 @dataclass
@@ -33,6 +33,7 @@ class ContourMetadata(KVConnectorMetadata):
     keys: dict[str, tuple[int, int]] = field(default_factory=dict)  # req -> (row key block, epoch)
     adopt: dict[str, int] = field(default_factory=dict)  # req -> shared compressed context it starts with
     shared_dropped: list[int] = field(default_factory=list)  # shared contexts the workers forget
+    recon: list[ReconItem] = field(default_factory=list)  # repeat tokens of hidden reconstruction requests
 
 
 @dataclass(frozen=True)

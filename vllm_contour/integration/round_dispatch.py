@@ -1,12 +1,14 @@
 """One scheduled request's part of the step's metadata: the KV it holds (sampled for the metrics), the window
 queries to capture for its next round, and, when that round is due, the round for the workers with the
 private blocks it packs into when some of its blocks are shared (prefix caching) and the shared compressed
-context it publishes. The clock itself is ``round_clock.py``; the record it changes ``scheduler_records.py``."""
+context it publishes; for a policy that scores with the context's reconstruction (KVzip), the
+reconstruction first (``reconstruction.py``), the round when it completes. The clock itself is ``round_clock.py``; the record it changes ``scheduler_records.py``."""
 
 from __future__ import annotations
 
 from vllm_contour import round_clock
 from vllm_contour.integration.context_publisher import ContextPublisher
+from vllm_contour.integration.reconstruction import Reconstructions
 from vllm_contour.integration.request_blocks import RequestBlocks
 from vllm_contour.integration.scheduler_events import SchedulerEvents
 from vllm_contour.integration.scheduler_records import Tracked
@@ -14,10 +16,12 @@ from vllm_contour.integration.state import CaptureItem, RoundItem
 
 
 class RoundDispatch:
-    def __init__(self, blocks: RequestBlocks, contexts: ContextPublisher, events: SchedulerEvents):
+    def __init__(self, blocks: RequestBlocks, contexts: ContextPublisher, events: SchedulerEvents,
+                 recon: Reconstructions):
         self.blocks = blocks
         self.contexts = contexts
         self.events = events
+        self.recon = recon
 
     def step(self, t: Tracked, n_sched: int, rounds: list[RoundItem], captures: list[CaptureItem]) -> None:
         req = t.request
@@ -38,12 +42,32 @@ class RoundDispatch:
             captures.append(CaptureItem(req.request_id, span[0], span[1], w))
         if not round_clock.round_due(clock, done, req.num_tokens) or t.pending is not None:
             return
+        if t.reconstructs and not t.compacted:  # scored by the context's reconstruction: it runs first
+            self._reconstruct(t, done)
+            return
+        self.dispatch(t, done, rounds)
+
+    def _reconstruct(self, t: Tracked, c: int) -> None:
+        try:
+            self.recon.start(t, c)
+            self.events.event("reconstructions")
+        except Exception as e:  # never into vLLM: the request goes on without eviction
+            self.recon.owner_gone(t.request.request_id)
+            self.events.fail(t.request.request_id, "reconstruction", e)
+            t.params = None
+
+    def dispatch(self, t: Tracked, done: int, rounds: list[RoundItem]) -> bool:
+        """The request's round over its first ``done`` tokens, with private blocks when some of its blocks
+        are shared; False when the pool has no room for them now (tried again at a later step)."""
+        req = t.request
+        blocks = self.blocks.of(req.request_id)
+        clock = t.clock(self.blocks.block_size)
         fresh = None
         if self.blocks.shared(blocks, done):
             fresh = self.blocks.take_private(max(1, t.budget.kept_blocks))
             if fresh is None:  # no room for private blocks now: try at a later step
                 self.events.stats.add("deferred_rounds", 1)
-                return
+                return False
         t.seq += 1
         t.pending = t.seq
         t.round_tokens = done
@@ -58,6 +82,7 @@ class RoundDispatch:
         rounds.append(RoundItem(req_id=req.request_id, block_ids=[b.block_id for b in blocks], num_tokens=done,
                                 params=t.params, budget=t.budget, seq=t.seq,
                                 fresh_ids=None if fresh is None else [b.block_id for b in fresh], publish=publish))
+        return True
 
     def _plan_publish(self, t: Tracked, blocks, c: int):
         try:

@@ -16,7 +16,10 @@ connector cannot do alone.
   drops those contexts too.
 - A prefill chunk of a request with a context boundary (``kv_context_len``, query-agnostic) stops at the
   boundary, so the context is compressed before the question is computed (``_reserve_prefill_lookahead``
-  is the per-request chunk-size hook vLLM's scheduler calls for running and waiting requests alike).
+  is the per-request chunk-size hook vLLM's scheduler calls for running and waiting requests alike); a
+  request whose context is being reconstructed (KVzip) computes nothing until its round.
+- Hidden requests that reconstruct a context (``reconstruction.py``) are added and aborted between steps;
+  their outputs never reach a client.
 Everything else is vLLM's own ``Scheduler``.
 """
 
@@ -44,12 +47,24 @@ class ContourScheduler(Scheduler):
         return n if side is None else side.cap_chunk(request, num_computed_tokens, n)
 
     def schedule(self, *args, **kwargs):
+        side = self._contour_side()
+        if side is not None:
+            self._hidden_requests(side)
         try:
             return super().schedule(*args, **kwargs)
         finally:
             side = self._contour_side()
             if side is not None:
                 side.end_schedule()
+
+    def _hidden_requests(self, side) -> None:
+        """Hidden requests that reconstruct a context (``reconstruction.py``) come and go between steps."""
+        recon = side.recon
+        aborts = [r for r in recon.take_aborts() if r in self.requests]
+        if aborts:
+            self.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
+        for req in recon.take_new():
+            self.add_request(req)
 
     def reset_prefix_cache(self, *args, **kwargs) -> bool:
         side = self._contour_side()
@@ -87,6 +102,12 @@ class ContourScheduler(Scheduler):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if side is None:
             return outputs
+        if side.recon.companions:  # no client sees a hidden reconstruction request
+            hidden = side.recon.is_companion
+            for eco in outputs.values():
+                eco.outputs = [o for o in eco.outputs if not hidden(o.request_id)]
+                if eco.finished_requests:
+                    eco.finished_requests = {r for r in eco.finished_requests if not hidden(r)}
         for req in errors:
             out = EngineCoreOutput(request_id=req.request_id, new_token_ids=[],
                                    finish_reason=req.get_finished_reason(), events=req.take_events(),

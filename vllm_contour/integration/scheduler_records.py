@@ -66,6 +66,7 @@ class Tracked:
     budget: PageBudget | None = None
     interval: int = 0  # T
     needs_queries: bool = False
+    reconstructs: bool = False  # its policy scores with the context's reconstruction (KVzip)
     # the round clock
     prefill_end: int = 0  # tokens the current (re)prefill computes
     compacted: bool = False
@@ -123,6 +124,8 @@ class SchedulerTotals:
     freed_blocks: int = 0
     private_blocks: int = 0  # blocks a round packed into instead of the request's own (prefix caching)
     shared_hits: int = 0  # requests that adopted a shared compressed context
+    reconstructions: int = 0  # contexts reconstructed (KVzip), each by one or more hidden requests
+    reconstruction_tokens: int = 0  # tokens those hidden requests computed
     stale_reports: int = 0
     failures: dict[str, int] = field(default_factory=dict)
     last: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # req -> (K, E, freed) of its last round

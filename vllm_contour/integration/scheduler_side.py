@@ -38,6 +38,7 @@ from vllm_contour.budget import CacheShape, decode_interval_for, request_budget
 from vllm_contour.config import EvictionConfig, RequestEviction, request_settings
 from vllm_contour.integration.context_publisher import ContextPublisher
 from vllm_contour.integration.metrics import ContourStats
+from vllm_contour.integration.reconstruction import Reconstructions
 from vllm_contour.integration.reports import ContourMetadata, ContourReport
 from vllm_contour.integration.request_blocks import RequestBlocks
 from vllm_contour.integration.round_dispatch import RoundDispatch
@@ -45,7 +46,7 @@ from vllm_contour.integration.round_outcomes import RoundOutcomes
 from vllm_contour.integration.scheduler_events import SchedulerEvents
 from vllm_contour.integration.scheduler_records import Tracked
 from vllm_contour.integration.shared_contexts import SharedContexts
-from vllm_contour.integration.state import CaptureItem, RoundItem
+from vllm_contour.integration.state import CaptureItem, ReconItem, RoundItem
 from vllm_contour.policies import build_policy
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ logger = init_logger("vllm.contour")
 
 class SchedulerSide:
     def __init__(self, config: EvictionConfig, block_size: int, shape: CacheShape | None, model_id: str = "",
-                 group: int = 0, num_groups: int = 1):
+                 group: int = 0, num_groups: int = 1, repeat_prompt=None):
         self.config = config
         self.block_size = block_size
         self.shape = shape
@@ -65,12 +66,14 @@ class SchedulerSide:
         self.tracked: dict[str, Tracked] = {}
         self.events = SchedulerEvents()
         self.totals = self.events.totals
-        self._needs_queries: dict[str, bool] = {}
+        self._needs_queries: dict[str, tuple[bool, bool]] = {}  # policy -> (needs queries, reconstructs)
         self.blocks = RequestBlocks(block_size, group, num_groups)
         self.shared = SharedContexts(block_size, model_id)
         self.contexts = ContextPublisher(self.shared, block_size)
         self.outcomes = RoundOutcomes(self.tracked, self.blocks, self.contexts, self.events)
-        self.dispatch = RoundDispatch(self.blocks, self.contexts, self.events)
+        # repeat_prompt: () -> RepeatPrompt, from the model's tokenizer when a context is first reconstructed
+        self.recon = Reconstructions(block_size, repeat_prompt)
+        self.dispatch = RoundDispatch(self.blocks, self.contexts, self.events, self.recon)
 
     def bind(self, kv_cache_manager: "KVCacheManager") -> None:
         self.blocks.bind(kv_cache_manager)
@@ -86,6 +89,8 @@ class SchedulerSide:
         whose first round is due at ``R`` (the prompt end or ``C``) also computes its window ``[R - W, R)``,
         whose queries it scores with. Other requests use the whole hit."""
         try:
+            if self.recon.is_companion(request.request_id):
+                return self.recon.limit_hit(request.request_id, num_hit_tokens)
             t = self._track(request)
             if t.params is None or num_hit_tokens == 0:
                 return num_hit_tokens
@@ -164,6 +169,8 @@ class SchedulerSide:
         t.prefill_tried = False
 
     def _resolve(self, request: "Request") -> RequestEviction | None:
+        if self.recon.is_companion(request.request_id):  # a hidden request reconstructing a context
+            return None
         extra = request.sampling_params.extra_args if request.sampling_params else None
         params = request_settings(self.config, extra)  # as the front end resolved them, when it did
         if not params.enabled:
@@ -176,12 +183,23 @@ class SchedulerSide:
             t.interval = decode_interval_for(t.params, self.block_size)
         name = t.params.policy
         if name not in self._needs_queries:
-            self._needs_queries[name] = build_policy(name).needs_queries
-        t.needs_queries = self._needs_queries[name]
+            pol = build_policy(name)
+            self._needs_queries[name] = (pol.needs_queries, pol.needs_reconstruction)
+        t.needs_queries, t.reconstructs = self._needs_queries[name]
+        if t.reconstructs:  # the context is scored once, by its reconstruction: one round, no decode-time rounds
+            t.interval = 0
 
     def finished(self, request: "Request") -> dict | None:
         """Forget a request; -> what eviction did to it (``Tracked.summary``), None for a request that did not
         evict."""
+        if self.recon.is_companion(request.request_id):
+            self.tracked.pop(request.request_id, None)
+            owner = self.recon.companion_finished(request.request_id)
+            t = self.tracked.get(owner) if owner is not None else None
+            if t is not None and t.params is not None:  # its reconstruction cannot complete: served densely
+                self.events.fail(owner, "reconstruction", f"hidden request {request.request_id} ended early")
+                t.params = None
+            return None
         t = self.tracked.pop(request.request_id, None)
         out = None
         try:
@@ -199,7 +217,9 @@ class SchedulerSide:
         return out
 
     def _let_go(self, t: Tracked) -> None:
-        """What a request holds for a round or a shared context goes back (it finished or starts over)."""
+        """What a request holds for a round or a shared context goes back (it finished or starts over); a
+        reconstruction of its context still running is aborted."""
+        self.recon.owner_gone(t.request.request_id)
         self.blocks.release_private(t)
         self.contexts.release(t)
         self.contexts.leave(t)
@@ -214,6 +234,8 @@ class SchedulerSide:
         its context boundary (the context is compressed before the question is computed)."""
         try:
             # called while vLLM schedules, before the request's blocks (and update_state_after_alloc)
+            if self.recon.holding(request.request_id):  # its context's reconstruction runs: it waits
+                return 0
             t = self._track(request)
             if t.params is None:
                 return num_new
@@ -254,12 +276,45 @@ class SchedulerSide:
             except Exception as e:
                 self.events.fail(req_id, "metadata", e)
                 t.params = None
+        recon = self._reconstruction_step(scheduler_output, keys, captures, rounds)
         adopt = self.contexts.take_adoptions(keys, self.tracked)
         if self.blocks.caching:
             for name, value in self.shared.gauges().items():
                 self.events.stats.gauge(name, value)
         return ContourMetadata(rounds=rounds, capture=captures, dropped=dropped, keys=keys, adopt=adopt,
-                               shared_dropped=self.shared.take_dropped())
+                               shared_dropped=self.shared.take_dropped(), recon=recon)
+
+    def _reconstruction_step(self, scheduler_output, keys, captures, rounds) -> list[ReconItem]:
+        """The step's hidden reconstruction requests (their repeat tokens captured), and the rounds of the
+        owners whose reconstruction completes with this step."""
+        items: list[ReconItem] = []
+        if not self.recon.waiting:
+            return items
+        try:
+            sched = {r: n for r, n in scheduler_output.num_scheduled_tokens.items() if self.recon.is_companion(r)}
+            n = self.recon.step(sched, self.blocks, keys, captures, items)
+            if n:
+                self.events.event("reconstruction_tokens", n)
+        except Exception as e:  # never into vLLM: the owners go on without eviction
+            for owner in list(self.recon.waiting):
+                self._stop_reconstruction(owner, e)
+            return []
+        for owner in self.recon.ready():
+            t = self.tracked.get(owner)
+            try:
+                if t is None or t.params is None or self.dispatch.dispatch(t, self.recon.waiting[owner].context_len,
+                                                                           rounds):
+                    self.recon.done(owner)
+            except Exception as e:
+                self._stop_reconstruction(owner, e)
+        return items
+
+    def _stop_reconstruction(self, owner: str, err) -> None:
+        self.recon.owner_gone(owner)
+        t = self.tracked.get(owner)
+        if t is not None and t.params is not None:
+            self.events.fail(owner, "reconstruction", err)
+            t.params = None
 
     def apply(self, report: ContourReport) -> None:
         """The workers' outcomes of this step's rounds (``round_outcomes.py``)."""

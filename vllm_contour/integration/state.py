@@ -56,6 +56,21 @@ class CaptureItem:
     window: int  # queries the request's ring keeps
 
 
+@dataclass
+class ReconItem:
+    """Scheduler -> worker: this step computes repeat tokens of a hidden request reconstructing its owner's
+    context (``integration/reconstruction.py``): fold their KVzip attention over the context keys ``span``
+    into the owner's scores (``[L, H, context_len]``)."""
+
+    req_id: str  # the hidden request (its captured queries)
+    owner: str
+    epoch: int  # the owner's: scores of an earlier epoch are dropped
+    span: tuple[int, int]
+    repeat_start: int
+    context_len: int
+    block_ids: list[int]  # the hidden request's blocks up to its last token of the step
+
+
 class QueryRing:
     """The last ``window`` captured queries of one request, every layer: ``[L, Hq, W, D]`` plus their
     positions (``-1`` = empty). Bounded: a request never holds more than ``window`` queries per layer."""
@@ -122,6 +137,9 @@ class WorkerState:
         self.step: StepAttention | None = None  # set by the eviction group's builder
         self.rounds_now: dict[str, RoundItem] = {}
         self.captures: dict[str, CaptureItem] = {}  # this step's capture items, by request
+        self.recon_now: dict[str, ReconItem] = {}  # this step's hidden reconstruction requests, by request
+        # owner -> (epoch, [L, H, C] KVzip scores of its context) until its round reads them
+        self.reconstruction: dict[str, tuple[int, torch.Tensor]] = {}
         self.layer_index: dict[str, int] = {}
         # queries staged by the impl during this step's forward: layer -> [total, Hq, D]
         self.staged: dict[int, torch.Tensor] = {}
@@ -134,6 +152,7 @@ class WorkerState:
     def drop(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
         self.rounds_now.pop(req_id, None)
+        self.reconstruction.pop(req_id, None)
         if self.tables is not None:
             self.tables.drop(req_id)
 
@@ -157,7 +176,8 @@ class WorkerState:
         return [r for r, rs in self.requests.items() if rs.layout is not None]
 
     def query_buffer_bytes(self) -> int:
-        return sum(rs.ring.nbytes for rs in self.requests.values() if rs.ring is not None)
+        rings = sum(rs.ring.nbytes for rs in self.requests.values() if rs.ring is not None)
+        return rings + sum(s.numel() * s.element_size() for _, s in self.reconstruction.values())
 
 
 _STATE = WorkerState()

@@ -91,9 +91,12 @@ class WorkerRounds:
             if self.faults.hit("plan", item.req_id, item.seq):
                 raise FaultInjected("fault switch: plan failed")
             queries, qpos = rs.ring.layer_queries() if rs.ring is not None else (None, None)
+            policy = self._policy(item.params)
+            recon = worker_state().reconstruction.pop(item.req_id, None) if policy.needs_reconstruction else None
             plan = plan_round(views, item.block_ids, item.num_tokens, item.params, item.budget, scale,
-                              prev=rs.layout, queries=queries, query_positions=qpos,
-                              policy=self._policy(item.params), fresh_ids=item.fresh_ids, layers=layers)
+                              prev=rs.layout, queries=queries, query_positions=qpos, policy=policy,
+                              fresh_ids=item.fresh_ids, layers=layers,
+                              reconstruction=None if recon is None else recon[1])
         except Exception as e:
             report[item.req_id] = PlanFailed(item.seq, f"{type(e).__name__}: {e}")
             return None

@@ -18,6 +18,7 @@ from vllm_contour.config import EvictionConfig
 from vllm_contour.integration.faults import FAULTS_ENV, FaultSwitch
 from vllm_contour.integration.metrics import ContourStats
 from vllm_contour.integration.reports import ContourMetadata, ContourReport, Outcome
+from vllm_contour.integration import worker_reconstruction
 from vllm_contour.integration.state import QueryRing, worker_state
 from vllm_contour.integration.worker_rounds import WorkerRounds, clear_unread
 
@@ -144,8 +145,11 @@ class WorkerSide:
             for eid in md.shared_dropped:  # after the adoptions: one may name an entry dropped in this step
                 self._clear_unread(st.shared.pop(eid, None), f"shared context {eid}")
             st.rounds_now = {it.req_id: it for it in md.rounds}
+            st.recon_now = {it.req_id: it for it in md.recon}
             st.captures = {c.req_id: c for c in md.capture if c.req_id in md.keys}
             for c in st.captures.values():
+                if c.req_id in st.recon_now:  # folded into its owner's scores after the forward
+                    continue
                 rs = st.state_for(c.req_id)
                 if rs.ring is None or rs.ring.window != c.window:
                     rs.ring = QueryRing(c.window)
@@ -156,7 +160,7 @@ class WorkerSide:
                                                      for c in st.captures.values()])
         except Exception as e:  # never into vLLM: forget this step's work, keep serving
             logger.warning("kv_eviction: could not start the step (%s); no round this step", e)
-            st.rounds_now, st.captures, st.step_reqs = {}, {}, []
+            st.rounds_now, st.captures, st.step_reqs, st.recon_now = {}, {}, [], {}
             # compacted rows cannot reach their kernel this step: they fail alone
             st.forward_errors = {r: f"step start: {e}" for r in st.compacted() if r in md.keys}
 
@@ -179,7 +183,7 @@ class WorkerSide:
             logger.warning("kv_eviction: could not store captured queries (%s)", e)
         self.rounds.run(list(st.rounds_now.values()), self._views, self._layer_scale() if st.rounds_now else 0.0,
                         self._stage_layers, self._report, self._stats)
-        st.rounds_now, st.captures, st.step_reqs = {}, {}, []
+        st.rounds_now, st.captures, st.step_reqs, st.recon_now = {}, {}, [], {}
         st.staged, st.step = {}, None
         self._stats.gauge("query_buffer_bytes", st.query_buffer_bytes())
 
@@ -192,7 +196,15 @@ class WorkerSide:
         off = 0
         for req_id, pos0, n in cap.owners:
             rs = st.requests.get(req_id)
-            if rs is not None and rs.ring is not None and n > 0:
+            item = st.recon_now.get(req_id)
+            if item is not None and n > 0:  # a hidden request's repeat tokens: KVzip scores of its owner
+                try:
+                    worker_reconstruction.fold(item, torch.arange(pos0, pos0 + n, device=stacked.device),
+                                               stacked[:, off : off + n], self._views, self._layer_scale())
+                except Exception as e:  # the owner's round then fails to plan: it is served densely
+                    logger.warning("kv_eviction: %s: reconstruction scores failed (%s)", item.owner, e)
+                    st.reconstruction.pop(item.owner, None)
+            elif rs is not None and rs.ring is not None and n > 0:
                 rs.ring.write(torch.arange(pos0, pos0 + n, device=stacked.device), stacked[:, off : off + n])
             off += n
 

@@ -61,6 +61,9 @@ class LayerInputs:
     # ``[H, T]`` bool: False where a row holds padding, not a token (its key is meaningless). Scorers
     # must leave padding out of every statistic; their scores there are ignored. None: all tokens.
     valid: torch.Tensor | None = None
+    # ``[H, C]`` KVzip scores of the context tokens ``[0, C)`` from the engine's context reconstruction (its
+    # chunks' max attention, ``scorers/kvzip.py``), for scorers that ``needs_reconstruction``. None: none ran.
+    reconstruction: torch.Tensor | None = None
 
     @property
     def num_kv_heads(self) -> int:

@@ -48,6 +48,13 @@ class Policy:
         return any(bool(getattr(p, "needs_values", False)) for p in parts if p is not None)
 
     @property
+    def needs_reconstruction(self) -> bool:
+        """True when a component scores with the engine's context reconstruction (KVzip): the engine runs it
+        at the context boundary and hands its scores in ``LayerInputs.reconstruction``."""
+        parts = (self.scorer, self.alloc_scorer)
+        return any(bool(getattr(p, "needs_reconstruction", False)) for p in parts if p is not None)
+
+    @property
     def accumulates(self) -> bool:
         """True when the ranking scorer carries its scores into the next round (H2O)."""
         return bool(getattr(self.scorer, "accumulates", False))
@@ -189,7 +196,7 @@ def _layer_view(inp: LayerInputs, layer: int, h: int) -> LayerInputs:
     if pos is not None and pos.dim() == 2:
         pos = pos[rows]
     return dataclasses.replace(inp, keys=inp.keys[rows], values=inp.values[rows], positions=pos,
-                               prior=sl(inp.prior), head_pages=None if inp.head_pages is None else inp.head_pages[rows],
+                               prior=sl(inp.prior), reconstruction=sl(inp.reconstruction), head_pages=None if inp.head_pages is None else inp.head_pages[rows],
                                valid=None if inp.valid is None else inp.valid[rows], queries=None,
                                query_positions=None, budget_pages=None, layer_idx=inp.layer_idx + layer)
 

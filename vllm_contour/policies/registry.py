@@ -7,8 +7,8 @@ field of a component, named ``scorer.kernel_size`` / ``allocator.mix`` / ``selec
 ``policy_knobs(name)`` lists them. Unknown knobs and bad values raise ``ValueError`` naming the knob.
 
 Presets whose components all have ``needs_queries=False`` (streaming, knorm, keydiff, expected_attention)
-run without captured queries. Every preset ignores the question tokens (those at or after ``window_end``)
-in query-agnostic mode.
+run without captured queries; kvzip and contour_kvzip score with the engine's context reconstruction. Every
+preset ignores the question tokens (those at or after ``window_end``) in query-agnostic mode.
 
 ContourKV scorer choice. ``contour`` uses SnapKV window scores for both the head allocation and the ranking
 (the mass signal the allocation is built on). On the small default model (SmolLM2-135M; the passkey table in
@@ -23,9 +23,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .allocators import AdaKVAllocator, ContourAllocator, PyramidAllocator, UniformAllocator
+from .allocators import AdaKVAllocator, ContourAllocator, KVzipAllocator, PyramidAllocator, UniformAllocator
 from .policy import Policy
-from .scorers import (ExpectedAttentionScorer, H2OScorer, KeyDiffScorer, KeyNormScorer, MomentScorer,
+from .scorers import (ExpectedAttentionScorer, H2OScorer, KeyDiffScorer, KeyNormScorer, KVzipScorer, MomentScorer,
                       RecencyScorer, SnapKVScorer, TOVAScorer)
 from .selectors import DiversitySelector, TopKSelector
 
@@ -77,6 +77,16 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            SnapKVScorer, ContourAllocator, DiversitySelector,
            cost="one window-attention pass + a greedy pick per kept token (a few tensor ops each; ~85x top-k's "
                 "selection time at 384 tokens per head)"),
+    Preset("kvzip", "KVzip (Kim et al., NeurIPS 2025)", KVzipScorer, KVzipAllocator,
+           cost="the context's reconstruction once per context (hidden requests: about the context's length in "
+                "tokens with prefix caching, twice that without)",
+           differs="one round, at the context boundary (or the prompt end), later tokens stay dense; the score "
+                   "threshold is per layer, not across layers; sinks and recent window kept"),
+    Preset("contour_kvzip", "ContourKV allocation over KVzip scores (this project)", KVzipScorer,
+           ContourAllocator,
+           cost="the context's reconstruction once per context (hidden requests: about the context's length in "
+                "tokens with prefix caching, twice that without)",
+           differs="one round, at the context boundary (or the prompt end), later tokens stay dense"),
     Preset("moment", "MomentKV (this project)", MomentScorer, UniformAllocator, moment_correction=True,
            cost="two moment/residual passes (O(N D^2)) per round; moment pages inside the budget",
            differs="the residual puts the key k_j where a query belongs (a proxy)"),

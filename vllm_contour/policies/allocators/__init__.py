@@ -8,8 +8,9 @@ Every allocator returns ``[H]`` int64 pages with ``floor <= pages[h] <= region_p
 from .adakv import AdaKVAllocator
 from .common import clamp_total, distribute_pages
 from .contour import ContourAllocator, dropped_mass, mass_curve, score_mass
+from .kvzip import KVzipAllocator
 from .pyramid import PyramidAllocator, pyramid_schedule
 from .uniform import UniformAllocator
 
-__all__ = ["AdaKVAllocator", "ContourAllocator", "PyramidAllocator", "UniformAllocator", "clamp_total",
+__all__ = ["AdaKVAllocator", "ContourAllocator", "KVzipAllocator", "PyramidAllocator", "UniformAllocator", "clamp_total",
            "distribute_pages", "dropped_mass", "mass_curve", "pyramid_schedule", "score_mass"]

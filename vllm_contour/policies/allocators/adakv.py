@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -21,6 +22,8 @@ class AdaKVAllocator:
     head is reserved first (AdaKV's safeguard ``alpha``: here a page floor).
     """
 
+    normalise: ClassVar[bool] = True  # each head's scores to a distribution before the layer's top-k
+
     def allocate(self, scores: torch.Tensor, inp: LayerInputs, budget: LayerBudget) -> torch.Tensor:
         h, bs = inp.num_kv_heads, inp.page_size
         caps = inp.head_caps()
@@ -29,7 +32,7 @@ class AdaKVAllocator:
         s = torch.nan_to_num(s, nan=0.0, posinf=0.0, neginf=0.0).clamp_min(0)
         if inp.is_ragged:  # padding past a head's candidates carries no mass
             s = torch.where(inp.candidate_mask(), s, torch.zeros_like(s))
-        norm = s / s.sum(dim=1, keepdim=True).clamp_min(1e-30)
+        norm = s / s.sum(dim=1, keepdim=True).clamp_min(1e-30) if self.normalise else s
         extra_tokens = (total - floor * h) * bs
         if extra_tokens <= 0:
             return distribute_pages(torch.ones(h), total, floor, caps)

@@ -6,11 +6,12 @@ from .expected_attention import ExpectedAttentionScorer
 from .h2o import H2OScorer
 from .keydiff import KeyDiffScorer
 from .knorm import KeyNormScorer
+from .kvzip import KVzipScorer, reconstruction_max
 from .moment import MomentScorer
 from .recency import RecencyScorer
 from .snapkv import SnapKVScorer
 from .tova import TOVAScorer
 
 __all__ = ["avg_pool", "gqa_mean", "window_attention", "window_mass", "window_queries",
-           "ExpectedAttentionScorer", "H2OScorer", "KeyDiffScorer", "KeyNormScorer",
-           "MomentScorer", "RecencyScorer", "SnapKVScorer", "TOVAScorer"]
+           "ExpectedAttentionScorer", "H2OScorer", "KeyDiffScorer", "KeyNormScorer", "KVzipScorer",
+           "MomentScorer", "RecencyScorer", "SnapKVScorer", "TOVAScorer", "reconstruction_max"]

@@ -1,0 +1,90 @@
+"""KVzip's pieces in pure torch: the reconstruction chunks (token ids), the max attention over the context
+keys against a direct loop, the scorer and the allocator's threshold across heads."""
+
+import math
+
+import pytest
+import torch
+
+from vllm_contour.policies import LayerInputs, build_policy
+from vllm_contour.policies.allocators import KVzipAllocator
+from vllm_contour.policies.base import LayerBudget
+from vllm_contour.policies.scorers.kvzip import reconstruction_max
+from vllm_contour.reconstruction import RepeatPrompt, chunks
+
+RP = RepeatPrompt(prefix=(1, 2, 3), first=(90, 91), later=(80, 81), suffix=(70,))
+
+
+def test_chunks_repeat_the_context_after_the_template_prefix():
+    ids = [1, 2, 3] + list(range(100, 110)) + [555, 556]  # prefix, context of 10, then the question
+    out = chunks(ids, 13, RP, size=4, overlap=2)
+    assert [c.span for c in out] == [(3, 7), (7, 11), (11, 13)]
+    assert out[0].repeat == (90, 91, 70, 100, 101, 102, 103)
+    assert out[1].repeat == (80, 81, 102, 103, 70, 104, 105, 106, 107)  # the previous chunk's last 2 tokens
+    assert out[2].repeat == (80, 81, 106, 107, 70, 108, 109)
+    # no template prefix in front: the context is repeated from token 0
+    assert [c.span for c in chunks([9] + ids[1:], 13, RP, size=8)] == [(0, 8), (8, 13)]
+
+
+def _direct(q, qpos, k, span, r, scale, sinks):
+    """Per KV head, query head and query: softmax over [sinks, chunk, repeat keys up to the query]."""
+    s, e = span
+    h, _, d = k.shape
+    g = q.shape[0] // h
+    sink = min(sinks, s)
+    out = torch.zeros(h, e - s, dtype=torch.float64)
+    for hh in range(h):
+        for gg in range(g):
+            for i, p in enumerate(qpos.tolist()):
+                cols = list(range(sink)) + list(range(s, e)) + list(range(r, p + 1))
+                logits = torch.tensor([float(q[hh * g + gg, i].double() @ k[hh, c].double()) * scale for c in cols])
+                w = torch.softmax(logits, 0)[sink:sink + e - s]
+                out[hh] = torch.maximum(out[hh], w)
+    return out
+
+
+@pytest.mark.parametrize("span,slice_size", [((0, 12), 256), ((6, 15), 3)])
+def test_reconstruction_max_equals_a_direct_loop(span, slice_size):
+    g = torch.Generator().manual_seed(0)
+    h, hq, d, c, n = 2, 6, 8, 20, 9
+    k = torch.randn(h, c + n + 2, d, generator=g)
+    q = torch.randn(hq, n - 2, d, generator=g)  # the step computes repeat tokens 2..n-1 (chunked prefill)
+    qpos = torch.arange(c + 2, c + n)
+    got = reconstruction_max(q, qpos, k, span, c, 1 / math.sqrt(d), sinks=4, slice_size=slice_size)
+    want = _direct(q, qpos, k, span, c, 1 / math.sqrt(d), 4)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+
+
+def test_kvzip_scorer_reads_the_reconstruction_and_refuses_without_it():
+    h, t, page = 2, 64, 16
+    keys = torch.randn(h, t, 4)
+    recon = torch.rand(h, t)
+    inp = LayerInputs(keys=keys, values=keys[:, :0], region_len=48, page_size=page, layer_idx=0, num_layers=1,
+                      scale=0.5, reconstruction=recon)
+    pol = build_policy("kvzip", sink_tokens=0, recent_window=0)
+    assert pol.needs_reconstruction and not pol.needs_queries and not pol.needs_values
+    sel = pol.plan_layer(inp, 3)
+    pages = torch.tensor([k.numel() // page for k in sel.kept])
+    assert int(pages.sum()) == 3 and torch.equal(pages, KVzipAllocator().allocate(
+        recon[:, :48], inp, LayerBudget(total_pages=3, floor_pages=1)))
+    for hh in range(h):  # each head keeps its best-scored tokens
+        want = torch.topk(recon[hh, :48], sel.kept[hh].numel()).indices.sort().values
+        assert torch.equal(sel.kept[hh], want)
+    with pytest.raises(ValueError, match="reconstruction"):
+        pol.plan_layer(LayerInputs(keys=keys, values=keys[:, :0], region_len=48, page_size=page, layer_idx=0,
+                                   num_layers=1, scale=0.5), 3)
+
+
+def test_kvzip_allocation_does_not_normalise_heads():
+    """AdaKV normalises each head to a distribution; KVzip's threshold is on the raw scores: a head whose
+    scores are all small gets the floor, however they are spread."""
+    h, page = 2, 4
+    s = torch.cat([torch.full((1, 32), 0.001), torch.linspace(0.1, 0.9, 32).view(1, -1)])
+    s[0, 0] = 0.0011  # head 0: one token above its own flat rest
+    inp = LayerInputs(keys=torch.zeros(h, 32, 1), values=torch.zeros(h, 0, 1), region_len=32, page_size=page,
+                      layer_idx=0, num_layers=1, scale=1.0)
+    b = LayerBudget(total_pages=8, floor_pages=1)
+    assert KVzipAllocator().allocate(s, inp, b).tolist() == [1, 7]
+    from vllm_contour.policies.allocators import AdaKVAllocator
+
+    assert AdaKVAllocator().allocate(s, inp, b).tolist() != [1, 7]

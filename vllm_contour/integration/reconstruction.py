@@ -1,0 +1,164 @@
+"""KVzip's context reconstruction inside vLLM: hidden requests that repeat a request's context.
+
+When a request whose policy scores with the reconstruction (``kvzip``, ``contour_kvzip``) reaches its context
+boundary ``C``, its round waits and the scheduler adds one hidden request per reconstruction chunk
+(``vllm_contour/reconstruction.py``): its prompt is the owner's first ``C`` tokens and then the chunk's repeat
+ids. With prefix caching the context is a hit, so each hidden request prefills only its repeat tokens, in
+chunks like any prefill, beside the other requests of the step; the workers capture those tokens' queries
+and fold KVzip's max attention over the context keys into the owner's scores. The owner computes nothing
+while it waits (``holding``); in the step where its last hidden request finishes its prefill its round is
+dispatched with the scores, and it goes on with its question over the compressed context. A hidden request
+samples one token, which no client sees, and finishes: its blocks go back to vLLM's pool as any request's.
+If a hidden request ends before its repeat tokens are computed (aborted, failed), the owner is served
+without eviction; if the owner leaves, its hidden requests are aborted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from vllm_contour.reconstruction import RepeatPrompt, chunks
+from vllm_contour.integration.state import CaptureItem, ReconItem
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from vllm_contour.integration.request_blocks import RequestBlocks
+    from vllm_contour.integration.scheduler_records import Tracked
+
+PREFIX = "contour-kvzip-"  # request ids of the hidden requests
+
+
+@dataclass
+class Companion:
+    req_id: str
+    owner: str
+    span: tuple[int, int]  # the owner's context positions its chunk scores
+    repeat_start: int  # C: where its repeat ids start
+    prompt_len: int
+    request: "Request"
+    complete: bool = False  # its repeat tokens are computed (after the step that scheduled the last of them)
+
+
+@dataclass
+class Waiting:
+    """An owner whose round waits for its reconstruction."""
+
+    context_len: int
+    epoch: int
+    companions: list[str] = field(default_factory=list)
+    ready: bool = False  # every companion complete: the round may be dispatched
+
+
+class Reconstructions:
+    def __init__(self, block_size: int, prompt: Callable[[], RepeatPrompt]):
+        self.block_size = block_size
+        self._prompt = prompt
+        self._repeat: RepeatPrompt | None = None
+        self.waiting: dict[str, Waiting] = {}
+        self.companions: dict[str, Companion] = {}
+        self._new: list["Request"] = []
+        self._abort: list[str] = []
+        self._n = 0
+
+    @staticmethod
+    def is_companion(req_id: str) -> bool:
+        return req_id.startswith(PREFIX)
+
+    def holding(self, req_id: str) -> bool:
+        """The owner computes nothing while its reconstruction runs (its question waits for the round)."""
+        return req_id in self.waiting
+
+    def start(self, t: "Tracked", c: int) -> int:
+        """Add the hidden requests that reconstruct ``t``'s context ``[0, C)``; -> how many."""
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        if self._repeat is None:
+            self._repeat = self._prompt()
+        req = t.request
+        ids = list(req.prompt_token_ids[:c])
+        w = self.waiting[req.request_id] = Waiting(c, t.epoch)
+        for ch in chunks(ids, c, self._repeat):
+            self._n += 1
+            rid = f"{PREFIX}{self._n}-{req.request_id}"
+            prompt = ids + list(ch.repeat)
+            hidden = Request(
+                request_id=rid, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
+                pooling_params=None, client_index=req.client_index, arrival_time=time.time(),
+                lora_request=req.lora_request, cache_salt=req.cache_salt, priority=req.priority,
+                block_hasher=req._block_hasher)  # vllm_hooks: Request._block_hasher (read)
+            self._new.append(hidden)
+            self.companions[rid] = Companion(rid, req.request_id, ch.span, c, len(prompt), hidden)
+            w.companions.append(rid)
+        return len(w.companions)
+
+    def take_new(self) -> list["Request"]:
+        out, self._new = self._new, []
+        return out
+
+    def take_aborts(self) -> list[str]:
+        out, self._abort = self._abort, []
+        return out
+
+    def limit_hit(self, req_id: str, num_hit: int) -> int:
+        """A hidden request may hit its context, never its repeat tokens (their queries are what it is for)."""
+        comp = self.companions.get(req_id)
+        if comp is None or num_hit <= comp.repeat_start:
+            return num_hit
+        return comp.repeat_start // self.block_size * self.block_size
+
+    def step(self, scheduled: dict[str, int], blocks: "RequestBlocks", keys: dict, captures: list[CaptureItem],
+             items: list[ReconItem]) -> int:
+        """This step's part of every scheduled hidden request: its row key, its repeat tokens to capture and
+        what the workers fold them into; an owner whose hidden requests are all complete after the step is
+        ready. -> reconstruction tokens scheduled in the step."""
+        tokens = 0
+        for rid, n in scheduled.items():
+            comp = self.companions.get(rid)
+            w = self.waiting.get(comp.owner) if comp is not None else None
+            if w is None or n <= 0:
+                continue
+            req = comp.request
+            start, done = req.num_computed_tokens, min(req.num_computed_tokens + n, comp.prompt_len)
+            tokens += done - start
+            ids = blocks.of(rid)
+            i = start // self.block_size
+            if i < len(ids):
+                keys[rid] = (ids[i].block_id, 0)
+            a, b = max(start, comp.repeat_start), done
+            if b > a:
+                captures.append(CaptureItem(rid, a, b, 0))
+                items.append(ReconItem(rid, comp.owner, w.epoch, comp.span, comp.repeat_start, w.context_len,
+                                       [x.block_id for x in ids[: (b + self.block_size - 1) // self.block_size]]))
+            if done >= comp.prompt_len:
+                comp.complete = True
+                w.ready = all(self.companions[c].complete for c in w.companions if c in self.companions)
+        return tokens
+
+    def ready(self) -> list[str]:
+        return [owner for owner, w in self.waiting.items() if w.ready]
+
+    def done(self, owner: str) -> None:
+        """The owner's round is dispatched (or it goes on without one): it computes again."""
+        self.waiting.pop(owner, None)
+
+    def companion_finished(self, req_id: str) -> str | None:
+        """A hidden request left vLLM; -> its owner when the reconstruction cannot complete any more."""
+        comp = self.companions.pop(req_id, None)
+        if comp is None or comp.complete or comp.owner not in self.waiting:
+            return None
+        self.owner_gone(comp.owner)
+        return comp.owner
+
+    def owner_gone(self, owner: str) -> None:
+        """The owner finished, was preempted or gave up: its hidden requests still running are aborted."""
+        w = self.waiting.pop(owner, None)
+        if w is None:
+            return
+        for rid in w.companions:
+            comp = self.companions.pop(rid, None)
+            if comp is not None and not comp.complete:
+                self._abort.append(rid)

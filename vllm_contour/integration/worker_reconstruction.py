@@ -1,0 +1,38 @@
+"""The workers' half of KVzip's context reconstruction (``reconstruction.py``): after the forward, a hidden
+request's captured repeat queries of the step and its keys (read from vLLM's cache: every layer's KV of
+the step is written) give KVzip's max attention over its owner's context keys, folded (max) into the
+owner's ``[L, H, C]`` scores, which the owner's round reads (``WorkerState.reconstruction``)."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_contour.integration.state import ReconItem, worker_state
+from vllm_contour.ops.paged import dims, gather_pages
+from vllm_contour.policies.scorers.kvzip import reconstruction_max
+
+SINKS = 4  # kvpress's KVzipPress scores its first 4 context tokens 1 (kept as attention sinks)
+
+
+def fold(item: ReconItem, positions: torch.Tensor, queries: torch.Tensor,
+         views: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
+    """``queries [L, n, Hq, D]`` of the hidden request at ``positions [n]`` (its repeat tokens of the step)."""
+    st = worker_state()
+    _, h, bs, d = dims(views[0][0])
+    num_layers = len(views)
+    held = st.reconstruction.get(item.owner)
+    if held is None or held[0] != item.epoch:
+        scores = torch.zeros((num_layers, h, item.context_len), dtype=torch.float32, device=queries.device)
+        scores[:, :, :SINKS] = 1.0
+        held = st.reconstruction[item.owner] = (item.epoch, scores)
+    scores = held[1]
+    blocks = torch.tensor(item.block_ids, dtype=torch.int64)
+    ids = (blocks.view(1, -1) * h + torch.arange(h).view(-1, 1)).reshape(-1).to(queries.device)
+    last = int(positions.max()) + 1
+    keys = gather_pages([k for k, _ in views], ids).view(num_layers, h, -1, d)[:, :, :last]
+    s, e = item.span
+    for layer in range(num_layers):
+        got = reconstruction_max(queries[layer].transpose(0, 1), positions, keys[layer], item.span,
+                                 item.repeat_start, scale, sinks=SINKS)
+        seg = scores[layer, :, s:e]
+        torch.maximum(seg, got, out=seg)
