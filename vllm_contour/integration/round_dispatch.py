@@ -2,7 +2,8 @@
 queries to capture for its next round, and, when that round is due, the round for the workers with the
 private blocks it packs into when some of its blocks are shared (prefix caching) and the shared compressed
 context it publishes; for a policy that scores with the context's reconstruction (KVzip), the
-reconstruction first (``reconstruction.py``), the round when it completes. The clock itself is ``round_clock.py``; the record it changes ``scheduler_records.py``."""
+reconstruction first (``reconstruction.py``), the round when it completes. The clock itself is
+``round_clock.py``; the record it changes ``scheduler_records.py``."""
 
 from __future__ import annotations
 
@@ -52,8 +53,13 @@ class RoundDispatch:
             self.recon.start(t, c)
             self.events.event("reconstructions")
         except Exception as e:  # never into vLLM: the request goes on without eviction
-            self.recon.owner_gone(t.request.request_id)
-            self.events.fail(t.request.request_id, "reconstruction", e)
+            self.stop_reconstruction(t, e)
+
+    def stop_reconstruction(self, t: Tracked, err) -> None:
+        """The request's reconstruction cannot complete: its hidden requests go, it is served densely."""
+        self.recon.owner_gone(t.request.request_id)
+        if t.params is not None:
+            self.events.fail(t.request.request_id, "reconstruction", err)
             t.params = None
 
     def dispatch(self, t: Tracked, done: int, rounds: list[RoundItem]) -> bool:

@@ -66,7 +66,7 @@ class SchedulerSide:
         self.tracked: dict[str, Tracked] = {}
         self.events = SchedulerEvents()
         self.totals = self.events.totals
-        self._needs_queries: dict[str, tuple[bool, bool]] = {}  # policy -> (needs queries, reconstructs)
+        self._policy_needs: dict[str, tuple[bool, bool]] = {}  # policy -> (needs queries, reconstructs)
         self.blocks = RequestBlocks(block_size, group, num_groups)
         self.shared = SharedContexts(block_size, model_id)
         self.contexts = ContextPublisher(self.shared, block_size)
@@ -182,10 +182,10 @@ class SchedulerSide:
             t.budget = request_budget(t.params, self.shape, per_request=True)
             t.interval = decode_interval_for(t.params, self.block_size)
         name = t.params.policy
-        if name not in self._needs_queries:
+        if name not in self._policy_needs:
             pol = build_policy(name)
-            self._needs_queries[name] = (pol.needs_queries, pol.needs_reconstruction)
-        t.needs_queries, t.reconstructs = self._needs_queries[name]
+            self._policy_needs[name] = (pol.needs_queries, pol.needs_reconstruction)
+        t.needs_queries, t.reconstructs = self._policy_needs[name]
         if t.reconstructs:  # the context is scored once, by its reconstruction: one round, no decode-time rounds
             t.interval = 0
 
@@ -196,9 +196,8 @@ class SchedulerSide:
             self.tracked.pop(request.request_id, None)
             owner = self.recon.companion_finished(request.request_id)
             t = self.tracked.get(owner) if owner is not None else None
-            if t is not None and t.params is not None:  # its reconstruction cannot complete: served densely
-                self.events.fail(owner, "reconstruction", f"hidden request {request.request_id} ended early")
-                t.params = None
+            if t is not None:  # it ended before its repeat tokens were computed
+                self.dispatch.stop_reconstruction(t, f"hidden request {request.request_id} ended early")
             return None
         t = self.tracked.pop(request.request_id, None)
         out = None
@@ -310,11 +309,11 @@ class SchedulerSide:
         return items
 
     def _stop_reconstruction(self, owner: str, err) -> None:
-        self.recon.owner_gone(owner)
         t = self.tracked.get(owner)
-        if t is not None and t.params is not None:
-            self.events.fail(owner, "reconstruction", err)
-            t.params = None
+        if t is None:
+            self.recon.owner_gone(owner)
+        else:
+            self.dispatch.stop_reconstruction(t, err)
 
     def apply(self, report: ContourReport) -> None:
         """The workers' outcomes of this step's rounds (``round_outcomes.py``)."""
