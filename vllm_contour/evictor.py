@@ -79,7 +79,8 @@ def plan_round(caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[
     the round cannot be planned; nothing has been written then. ``layers``: (index of ``caches[0]`` among
     the model's layers, the model's layer count) when these caches are one pipeline stage's (policies that
     depend on depth, e.g. PyramidKV, see the whole model); default ``(0, len(caches))``. ``reconstruction``:
-    ``[L, H, C]`` KVzip scores of the context (policies that score with the context reconstruction)."""
+    ``[L, H, C]`` KVzip scores of the context by position (policies that score with the context
+    reconstruction; a later round reads its kept tokens' and new tail's)."""
     with on_device(caches[0][0]):
         return _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, queries, query_positions,
                            policy, fresh_ids, layers or (0, len(caches)), reconstruction)
@@ -100,9 +101,8 @@ def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, quer
         raise PlanError(f"request has {len(block_ids)} blocks, {n_blocks} needed for {num_tokens} tokens")
     if policy.needs_queries and not queries:
         raise PlanError(f"policy {policy.name} needs window queries; none were captured")
-    if policy.needs_reconstruction and (prev is not None or reconstruction is None):
-        raise PlanError(f"policy {policy.name} scores the context once, from its reconstruction: "
-                        + ("no round after it" if prev is not None else "none ran for this round"))
+    if policy.needs_reconstruction and reconstruction is None:
+        raise PlanError(f"policy {policy.name} scores with the context's reconstruction: none ran for this round")
     if prev is None:
         window_end = min(num_tokens, params.context_len) if params.context_len else num_tokens
         e_new = window_end // bs
@@ -132,6 +132,12 @@ def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, quer
     else:
         inp, src_tables, cand_pos = _round_inputs(caches, blocks, num_tokens, prev, e_new, scale, q_all,
                                                   query_positions, policy.accumulates, layers, policy.needs_values)
+        if policy.needs_reconstruction:  # each row's kept tokens and new tail by their original positions
+            if reconstruction.shape[:2] != (num_layers, h) or reconstruction.shape[2] < e_new * bs:
+                raise PlanError(f"reconstruction scores {tuple(reconstruction.shape)} do not cover {num_layers} "
+                                f"layers x {h} heads x {e_new * bs} tokens")
+            flat = reconstruction.reshape(num_layers * h, -1)
+            inp.reconstruction = flat.gather(1, inp.positions.clamp(0, flat.shape[1] - 1).to(flat.device))
     # every layer scored in one pass (scorers work per KV head), then allocated and selected per layer
     sels = policy.plan_rows(inp, [budget.token_pages] * num_layers, h)
     kept_all = [sel.kept for sel in sels]

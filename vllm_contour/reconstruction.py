@@ -5,7 +5,8 @@ as a hidden request of its own, and the tests build the same inputs for a transf
 As in kvpress's ``KVzipPress``: the context after the chat template's prefix is cut into chunks of 2,048
 tokens; chunk 0 is asked for with "Repeat the previous context exactly.", a later chunk with "Repeat the part
 of the previous context exactly, starting with" and the previous chunk's last 8 tokens; then the template's
-suffix (the end of a user turn and the start of the assistant's) and the chunk itself.
+suffix (the end of a user turn and the start of the assistant's) and the chunk itself. The tokens a
+streaming-input session appends later are repeated as later parts of the same context.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class RepeatPrompt:
 
         return cls(enc(prefix_text), enc(FIRST), enc(LATER), enc(suffix_text))
 
+    def longest_ask(self, overlap: int = OVERLAP_TOKENS) -> int:
+        """Tokens a chunk's repeat ids add besides the chunk itself, at most."""
+        return max(len(self.first), len(self.later) + overlap) + len(self.suffix)
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -51,16 +56,18 @@ class Chunk:
 
 
 def chunks(prompt_ids, context_len: int, prompt: RepeatPrompt, size: int = CHUNK_TOKENS,
-           overlap: int = OVERLAP_TOKENS) -> list[Chunk]:
+           overlap: int = OVERLAP_TOKENS, start_at: int = 0) -> list[Chunk]:
     """The reconstruction chunks of the context ``prompt_ids[:context_len]``: it is repeated from the end of
-    the chat template's prefix when the prompt starts with it (else from token 0)."""
+    the chat template's prefix when the prompt starts with it (else from token 0). ``start_at`` > 0: only
+    ``[start_at, context_len)`` is repeated (the tokens a streaming-input session appended since its last
+    round), its first chunk asked for as a later part, starting with the ``overlap`` tokens before it."""
     ids = list(prompt_ids[:context_len])
     p = len(prompt.prefix)
     start = p if 0 < p < context_len and tuple(ids[:p]) == prompt.prefix else 0
-    ctx = ids[start:]
+    start = max(start, start_at)
     out = []
-    for i, a in enumerate(range(0, len(ctx), size)):
-        part = ctx[a : a + size]
-        ask = list(prompt.first) if i == 0 else list(prompt.later) + ctx[max(0, a - overlap) : a]
-        out.append(Chunk((start + a, start + a + len(part)), tuple(ask + list(prompt.suffix) + part)))
+    for i, a in enumerate(range(start, len(ids), size)):
+        part = ids[a : a + size]
+        ask = list(prompt.first) if a == start and start_at == 0 else list(prompt.later) + ids[max(0, a - overlap) : a]
+        out.append(Chunk((a, a + len(part)), tuple(ask + list(prompt.suffix) + part)))
     return out

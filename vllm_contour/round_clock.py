@@ -9,7 +9,8 @@ tail after a round, the next round is due when the tokens with KV reach ``R``:
 - before any round: the context boundary ``C`` (while that round is to come); else, with ``T = 0`` or a
   ``C`` that needs no round, the prompt end (once); else ``max(prompt end, N + T)`` (a short prompt is first
   compressed while it decodes), later than a retry point after a first round that planned nothing;
-- once compacted: ``E * bs + T`` (the dense tail reached ``T``); never again with ``T = 0``.
+- once compacted: ``E * bs + T`` (the dense tail reached ``T``); with ``T = 0`` only at the end of a
+  streaming-input session's next chunk (a prompt end too) when it completes a block past ``E``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class ClockState:
     compacted: bool = False
     region_blocks: int = 0  # E, after a round
     retry_at: int = 0  # a first round that planned nothing is tried again from here (T > 0)
+    chunk_end: int = 0  # a streaming-input session's latest chunk end, once it took a chunk after compaction
 
 
 def context_boundary(s: ClockState) -> int | None:
@@ -47,7 +49,9 @@ def context_boundary(s: ClockState) -> int | None:
 def next_round(s: ClockState) -> int | None:
     """Tokens with KV at which the request's next round is due (``R``); None: no more rounds."""
     if s.compacted:
-        return s.region_blocks * s.block_size + s.interval if s.interval else None
+        if s.interval:
+            return s.region_blocks * s.block_size + s.interval
+        return s.chunk_end if s.chunk_end // s.block_size > s.region_blocks else None
     c = context_boundary(s)
     if c is not None:
         return c

@@ -170,7 +170,7 @@ def prefix_cached(model_dir):
     return run_engine("snapkv128_prefix", dict(BASE_LLM, model=model_dir, enable_prefix_caching=True,
                                                additional_config={"kv_eviction": {"policy": "snapkv",
                                                                                   "budget": 128}}),
-                      ["prefix_stream", "shared_context", "fault_prefix", "kvzip"],
+                      ["prefix_stream", "shared_context", "fault_prefix", "kvzip", "kvzip_stream"],
                       env={"VLLM_CONTOUR_FAULTS": "at=apply:PA0:2,at=apply:PB0:1"})
 
 

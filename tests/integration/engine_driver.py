@@ -1194,8 +1194,57 @@ def run_kvzip(llm, spec, res):
         "tokens_counted": side.totals.reconstruction_tokens}
 
 
+def run_kvzip_stream(llm, spec, res):
+    """KVzip over a streaming-input session (prefix caching on): a 500-token chunk, then a 200-token chunk
+    appended, ``kvzip`` at 128, 8 tokens a turn. The reconstruction scores each round planned with (and the
+    session's tokens then), the blocks the session holds after every step (vLLM's pool), the blocks of the
+    hidden requests (their reference counts at the end), the scheduler's counters around the session."""
+    from vllm_contour.integration import worker_rounds
+
+    tok = llm.get_tokenizer()
+    chunks = _text_prompts(tok, [500, 200], 63)
+    sched = _core(llm).scheduler
+    side = sched.connector.scheduler_side
+    mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
+    seen: list = []
+    real = worker_rounds.plan_round
+
+    def watched(*a, **kw):
+        if kw.get("reconstruction") is not None:
+            req = sched.requests.get("KS")
+            seen.append({"scores": kw["reconstruction"].clone().tolist(), "num_tokens": a[2],
+                         "tokens": list(req.all_token_ids) if req is not None else None,
+                         "region_blocks": None if kw.get("prev") is None else kw["prev"].region_blocks})
+        return real(*a, **kw)
+
+    held, hidden = [], set()
+    real_step = side.recon.step
+
+    def watched_step(scheduled, *a):  # the scheduler's step of the hidden requests: what they hold then
+        n = real_step(scheduled, *a)
+        for r in scheduled:
+            hidden.update(b.block_id for b in mgr.req_to_blocks.get(r, []) if not b.is_null)
+        return n
+
+    before = {"reconstructions": side.totals.reconstructions, "failures": dict(side.totals.failures)}
+    worker_rounds.plan_round = watched
+    side.recon.step = watched_step
+    try:
+        turns = _stream_session(llm, "KS", chunks, 8, {"kv_policy": "kvzip", "kv_budget": 128},
+                                lambda: held.append(_held(llm).get("KS")))
+    finally:
+        worker_rounds.plan_round = real
+        side.recon.step = real_step
+    pool = sched.kv_cache_manager.block_pool
+    res["kvzip_stream"] = {
+        "chunks": chunks, "turns": turns, "rounds": seen, "held": held,
+        "hidden_refs": [pool.blocks[b].ref_cnt for b in sorted(hidden)],
+        "counters": [before, {"reconstructions": side.totals.reconstructions,
+                              "failures": dict(side.totals.failures)}], "free_end": _free(llm)}
+
+
 SCENARIOS = {"compare": run_compare, "fault_paths": run_fault_paths, "fault_prefix": run_fault_prefix, "greedy_exact": run_greedy_exact,
-             "hybrid": run_hybrid, "shared_context": run_shared_context, "greedy_none": run_greedy_none, "prefix_stream": run_prefix_stream, "streaming_input": run_streaming_input, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
+             "hybrid": run_hybrid, "shared_context": run_shared_context, "greedy_none": run_greedy_none, "prefix_stream": run_prefix_stream, "streaming_input": run_streaming_input, "kvzip_stream": run_kvzip_stream, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
              "short_moments": run_short_moments, "faults": run_faults,
              "parallel": run_parallel, "greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
              "preempt_abort": run_preempt_abort, "kvzip": run_kvzip}

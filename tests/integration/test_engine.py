@@ -591,6 +591,37 @@ def test_unknown_cache_layout_stops_engine_start_up(tiny_model_dir):
     assert "without --kv-eviction-policy" in res["log"]
 
 
+def _kvzip_reference(model, ctx, parts, layers, heads):
+    """KVzip's scores of ``ctx`` computed directly on the transformers model: each chunk's repeat ids after
+    the whole (dense) context, every repeat query's softmax over the first 4 keys, the chunk's keys and the
+    repeat keys up to it, the max over queries and the GQA group; ``[L, H, len(ctx)]``, sinks 1."""
+    import torch
+
+    from benchmarks.perplexity import forward_capture
+
+    c = len(ctx)
+    scale = 64 ** -0.5
+    want = torch.zeros(layers, heads, c, dtype=torch.float64)
+    want[:, :, :4] = 1.0
+    for part in parts:
+        s, e = part.span
+        got_q, got_k = {}, {}
+
+        def grab(layer, q, k, v):
+            got_q[layer], got_k[layer] = q[:, c:].double(), k.double()
+
+        forward_capture(model, torch.tensor(list(ctx) + list(part.repeat)), grab, logits_to_keep=1)
+        for layer in range(layers):
+            q, k = got_q[layer], got_k[layer]
+            h, n = k.shape[0], q.shape[1]
+            keys = torch.cat([k[:, :min(4, s)], k[:, s:e], k[:, c:]], dim=1)
+            logits = torch.einsum("hnd,htd->hnt", q, keys.repeat_interleave(q.shape[0] // h, 0)) * scale
+            logits[:, :, -n:] += torch.triu(torch.full((n, n), float("-inf"), dtype=torch.float64), 1)
+            w = torch.softmax(logits, -1)[:, :, min(4, s):min(4, s) + e - s]
+            want[layer, :, s:e] = torch.maximum(want[layer, :, s:e], w.view(h, -1, n, e - s).amax(dim=(1, 2)))
+    return want
+
+
 def test_kvzip_reconstructs_the_context_inside_the_engine(prefix_cached, model_dir):
     """KVzip in vLLM (prefix caching on): the context's reconstruction runs as hidden requests while the
     owner waits at its boundary and another request goes on; the scores the round planned with equal a
@@ -600,7 +631,7 @@ def test_kvzip_reconstructs_the_context_inside_the_engine(prefix_cached, model_d
     request with the same context adopts the compressed context without a reconstruction."""
     import torch
 
-    from benchmarks.perplexity import capture_context, forward_capture, forward_masked, load_model
+    from benchmarks.perplexity import capture_context, forward_masked, load_model
     from vllm_contour.reconstruction import RepeatPrompt, chunks
 
     kz = prefix_cached["kvzip"]
@@ -629,25 +660,7 @@ def test_kvzip_reconstructs_the_context_inside_the_engine(prefix_cached, model_d
     assert parts[0].span[0] == len(rp.prefix) > 0  # the chat template's prefix is not repeated
     assert kz["tokens_counted"] >= sum(len(p.repeat) for p in parts)
     model, _ = load_model(model_dir)
-    scale = 64 ** -0.5
-    want = torch.zeros(len(kz["scores"][0]), len(kz["scores"][0][0]), c, dtype=torch.float64)
-    want[:, :, :4] = 1.0
-    for part in parts:
-        s, e = part.span
-        got_q, got_k = {}, {}
-
-        def grab(layer, q, k, v):
-            got_q[layer], got_k[layer] = q[:, c:].double(), k.double()
-
-        forward_capture(model, torch.tensor(ctx + list(part.repeat)), grab, logits_to_keep=1)
-        for layer in range(want.shape[0]):
-            q, k = got_q[layer], got_k[layer]
-            h, n = k.shape[0], q.shape[1]
-            keys = torch.cat([k[:, :min(4, s)], k[:, s:e], k[:, c:]], dim=1)
-            logits = torch.einsum("hnd,htd->hnt", q, keys.repeat_interleave(q.shape[0] // h, 0)) * scale
-            logits[:, :, -n:] += torch.triu(torch.full((n, n), float("-inf"), dtype=torch.float64), 1)
-            w = torch.softmax(logits, -1)[:, :, min(4, s):min(4, s) + e - s]
-            want[layer, :, s:e] = torch.maximum(want[layer, :, s:e], w.view(h, -1, n, e - s).amax(dim=(1, 2)))
+    want = _kvzip_reference(model, ctx, parts, len(kz["scores"][0]), len(kz["scores"][0][0]))
     got = torch.tensor(kz["scores"][0], dtype=torch.float64)
     assert len(kz["scores"]) == 1 and got.shape == want.shape
     for layer in range(want.shape[0]):
@@ -667,3 +680,39 @@ def test_kvzip_reconstructs_the_context_inside_the_engine(prefix_cached, model_d
     lp = torch.log_softmax(logits[len(q1) - 1:].double(), dim=-1)
     oracle = lp.gather(1, torch.tensor(run["tokens"]).view(-1, 1)).squeeze(1)
     assert (oracle - torch.tensor(run["logprobs"], dtype=torch.float64)).abs().max().item() < 2e-3
+
+
+def test_kvzip_reconstructs_a_streaming_sessions_next_chunk(prefix_cached, model_dir):
+    """A streaming-input session with kvzip: its first chunk is reconstructed and compressed at its end; the
+    chunk appended later is reconstructed on its own (its context the session's tokens so far), and the
+    round then reads the kept tokens' earlier scores and the new tokens' scores, which equal the direct
+    computation on the transformers model; no failure, both turns answered, the blocks held at the end
+    within the budget's bound, the hidden requests' blocks back in vLLM's pool."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from benchmarks.perplexity import load_model
+    from vllm_contour.reconstruction import RepeatPrompt, chunks
+
+    ks = prefix_cached["kvzip_stream"]
+    (b0, b1) = ks["counters"]
+    assert b1["reconstructions"] == b0["reconstructions"] + 2 and b1["failures"] == b0["failures"], ks["counters"]
+    assert [len(t) for t in ks["turns"]] == [8, 8]
+    first, second = ks["rounds"]
+    c1, c2 = first["num_tokens"], second["num_tokens"]
+    assert c1 == len(ks["chunks"][0]) and first["region_blocks"] is None and second["region_blocks"] == c1 // 32
+    s1, s2 = torch.tensor(first["scores"]), torch.tensor(second["scores"])
+    start = c1 // 32 * 32  # the first round's region ends there; its partial block is scored again
+    assert s2.shape[2] == c2 and torch.equal(s2[:, :, :start], s1[:, :, :start])  # the kept tokens' first scores
+    ids = second["tokens"][:c2]
+    parts = chunks(ids, c2, RepeatPrompt.from_tokenizer(AutoTokenizer.from_pretrained(model_dir)), start_at=start)
+    assert parts[0].span == (start, c2)
+    want = _kvzip_reference(load_model(model_dir)[0], ids, parts, s2.shape[0], s2.shape[1])
+    # the first chunk's partial block: the max over both reconstructions' repeat queries (KVzip's max)
+    want[:, :, start:c1] = torch.maximum(want[:, :, start:c1], s1[:, :, start:c1].double())
+    for layer in range(s2.shape[0]):
+        torch.testing.assert_close(s2[layer, :, start:].double(), want[layer, :, start:], atol=2e-3, rtol=2e-2,
+                                   msg=f"layer {layer}")
+    last = [h for h in ks["held"] if h is not None][-1]
+    assert last <= _bound(128, 32), ks["held"]
+    assert ks["hidden_refs"] and all(r == 0 for r in ks["hidden_refs"])

@@ -177,3 +177,21 @@ def test_committed_results_are_rendered_from_their_committed_json():
     committed = sorted({m.group(1) for m in re.finditer(r"<!-- results:([a-z_/0-9]+) docs/results/", text)})
     assert {"gpu_kernels", "builder", "rounds"} <= set(committed)
     assert main(["--readme", str(root / "docs" / "results.md"), "--check", "--only", *committed]) == 0
+
+
+def test_passkey_block_tables_what_each_configuration_held_and_its_time_per_trial(tmp_path):
+    """Engine rows: the mean KV tokens per head; kvpress rows: kept unmasked of held (masks keep the
+    bytes); seconds per trial. A run without these has no second table."""
+    res = _passkey()
+    res["results"]["knorm@128/agn"].update(mean_kv_tokens=342.5, seconds=20.0)
+    res["results"]["kvpress:kvzip@128/agn"] = {"policy": "kvpress:kvzip", "budget": 128, "mode": "agnostic",
+                                               "correct": 4, "trials": 4, "seconds": 66.0,
+                                               "kept_kv_tokens": 128.0, "held_kv_tokens": 1870.0}
+    src = _write(tmp_path, "passkey.json", res)
+    new, _ = report.regenerate(f"<!-- results:passkey {src} -->\n<!-- /results:passkey -->\n", tmp_path)
+    held = new.split("KV tokens per head held")[1]
+    assert "342 · 5.0 s" in held
+    assert "128 of 1870 · 16.5 s" in held and "| kvpress:kvzip | - | - | 4 | - |" in new.split("KV tokens per head held")[0]
+    plain = _write(tmp_path, "p0.json", _passkey())
+    assert "KV tokens per head held" not in report.regenerate(
+        f"<!-- results:passkey {plain} -->\n<!-- /results:passkey -->\n", tmp_path)[0]

@@ -29,3 +29,30 @@ def test_configs_differ_only_in_eviction_and_prefix_caching():
     assert b[: len(a)] == a and b[len(a):] == ["--kv-eviction-policy", "snapkv", "--kv-budget", "128"]
     assert "--no-enable-prefix-caching" in c
     assert d == b + ["--no-kv-share-contexts"]
+
+
+def test_a_configuration_may_name_its_own_policy():
+    from benchmarks.shared_doc import config_of
+
+    class O:
+        block_size, pool, policy, budget = 32, 128, "snapkv", 128
+
+    assert config_of("stock_pc", O) == {"evict": False, "prefix": True}
+    kz = config_of("evict_pc:kvzip", O)
+    assert kz["policy"] == "kvzip" and config_of("evict_pc", O)["policy"] == "snapkv"
+    flags = server_flags(kz, O, 2400)
+    assert flags[flags.index("--kv-eviction-policy") + 1] == "kvzip"
+
+
+def test_the_passkey_filler_keeps_every_fact_and_asks_for_each():
+    from transformers import AutoTokenizer
+
+    from benchmarks.shared_doc import workload
+    from vllm_contour.models import fetch_model
+
+    tok = AutoTokenizer.from_pretrained(str(fetch_model("smollm2", quiet=True)))
+    doc, questions, rooms, codes = workload(tok, 4, 600, 0, filler="passkey")
+    text = tok.decode(doc)
+    assert abs(len(doc) - 600) <= 4 and "The grass is green." in text
+    for r, c, q in zip(rooms, codes, questions):
+        assert f"The pass key of the {r} room is {c}." in text and r in tok.decode(q)

@@ -43,6 +43,18 @@ def _direct(q, qpos, k, span, r, scale, sinks):
     return out
 
 
+def test_a_sessions_next_chunk_is_repeated_alone_as_a_later_part():
+    """A streaming-input session's appended tokens ``[start_at, C)``: repeated as a later part of the same
+    context, starting with the tokens before them; the earlier context is not repeated again."""
+    ids = list(range(100, 140))
+    (only,) = chunks(ids, 40, RP, size=2048, overlap=8, start_at=25)
+    assert only.span == (25, 40)
+    assert list(only.repeat) == [80, 81] + ids[17:25] + [70] + ids[25:40]
+    first, second = chunks(ids, 40, RP, size=10, overlap=4, start_at=25)
+    assert first.span == (25, 35) and second.span == (35, 40)
+    assert list(second.repeat) == [80, 81] + ids[31:35] + [70] + ids[35:40]
+
+
 @pytest.mark.parametrize("span,slice_size", [((0, 12), 256), ((6, 15), 3)])
 def test_reconstruction_max_equals_a_direct_loop(span, slice_size):
     g = torch.Generator().manual_seed(0)
@@ -88,3 +100,29 @@ def test_kvzip_allocation_does_not_normalise_heads():
     from vllm_contour.policies.allocators import AdaKVAllocator
 
     assert AdaKVAllocator().allocate(s, inp, b).tolist() != [1, 7]
+
+
+def test_hidden_requests_fit_max_model_len_or_the_reconstruction_is_refused_naming_it():
+    """A hidden request holds the context, a chunk's repeat ids and one sampled token: its chunks shrink to
+    fit ``max_model_len`` (vLLM's input batch is sized by it; a longer prompt would break the engine's
+    step); a context that leaves fewer than ``MIN_CHUNK`` tokens is refused with an error naming it."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from vllm_contour.integration.reconstruction import MIN_CHUNK, Reconstructions
+
+    ids = list(range(1000, 3000))
+    owner = SimpleNamespace(request_id="o", all_token_ids=ids, client_index=0, lora_request=None, cache_salt=None,
+                            priority=0, _block_hasher=None)
+    recon = Reconstructions(32, lambda: RP, max_model_len=2343)
+    n = recon.start(SimpleNamespace(request=owner, epoch=1), 2000)
+    hidden = recon.take_new()
+    assert n == len(hidden) > 1
+    assert all(len(r.prompt_token_ids) + 1 <= 2343 for r in hidden)
+    spans = [recon.companions[r.request_id].span for r in hidden]
+    assert spans[0][0] == 0 and spans[-1][1] == 2000 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    tight = Reconstructions(32, lambda: RP, max_model_len=2000 + MIN_CHUNK)
+    with pytest.raises(ValueError, match="max_model_len 2032"):
+        tight.start(SimpleNamespace(request=owner, epoch=1), 2000)
+    assert not tight.waiting and not tight.take_new()

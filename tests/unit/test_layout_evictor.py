@@ -560,3 +560,34 @@ def test_rounds_due_in_the_same_step_applied_together_equal_one_after_another(po
         assert torch.equal(k0.view(torch.int32), k1.view(torch.int32)) and torch.equal(v0, v1)
     for a, b in zip(seq_pos, bat_pos):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("policy", ["kvzip", "contour_kvzip"])
+def test_a_later_kvzip_round_reads_its_rows_scores_by_original_position(policy):
+    """A streaming-input session's next chunk: the round over the kept tokens and the new tail reads the
+    reconstruction scores of each row's tokens by their original positions (the kept ones' from the first
+    reconstruction, the tail's from the next): the tail block and the kept tokens scored high stay."""
+    h, bs, d, nb, layers = 2, 16, 32, 80, 2
+    caches = [cpu_cache(nb, h, bs, d, seed=s)[1:] for s in range(layers)]
+    params = resolve_request(EvictionConfig(policy=policy, budget=64, recent_window=8, sink_tokens=2), None)
+    g = torch.Generator().manual_seed(3)
+    first = torch.rand(layers, h, 20 * bs, generator=g)
+    block_ids = list(range(1, 21))
+    lay, _ = _round(caches, block_ids, 20 * bs, params, d ** -0.5, reconstruction=first)
+    scores = torch.cat([first, torch.zeros(layers, h, 6 * bs)], dim=2) * 0.01
+    scores[:, :, 21 * bs:22 * bs] = 10.0  # a whole new block the next reconstruction scores high
+    favoured = {}
+    for layer in range(layers):
+        for hh in range(h):
+            pos = lay.kept_positions(layer, hh)[2:10]  # eight kept tokens past the sinks
+            scores[layer, hh, pos] = 5.0
+            favoured[layer, hh] = set(pos.tolist())
+    with pytest.raises(PlanError, match="none ran"):
+        plan_round(caches, block_ids + list(range(30, 36)), 26 * bs, params, _budget(params, h, bs, d), d ** -0.5,
+                   prev=lay)
+    lay2, _ = _round(caches, block_ids + list(range(30, 36)), 26 * bs, params, d ** -0.5, prev=lay,
+                     reconstruction=scores)
+    for layer in range(layers):
+        for hh in range(h):
+            kept = set(lay2.kept_positions(layer, hh).tolist())
+            assert set(range(21 * bs, 22 * bs)) <= kept and favoured[layer, hh] <= kept, (layer, hh)

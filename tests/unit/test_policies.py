@@ -23,9 +23,8 @@ from vllm_contour.policies.selectors import diversity
 from vllm_contour.moments import accumulate, residual_norms
 
 ALL = policy_names()
-# Decode-time (ragged) rounds: every preset but those that score the context once, by its reconstruction
-# (kvzip, contour_kvzip: one round at the context boundary, ``test_reconstruction_presets_have_no_ragged_round``)
-RAGGED = [n for n in ALL if not build_policy(n).needs_reconstruction]
+# Ragged rounds (decode-time, a streaming-input session's next chunk): every preset
+RAGGED = ALL
 QUERY_FREE = [n for n in ALL if not build_policy(n).needs_queries]
 
 
@@ -674,7 +673,8 @@ def _split_heads(inp: LayerInputs) -> list[LayerInputs]:
     g = inp.queries.shape[0] // h if inp.queries is not None else 0
     return [dataclasses.replace(inp, keys=inp.keys[i:i + 1], values=inp.values[i:i + 1],
                                 queries=None if inp.queries is None else inp.queries[i * g:(i + 1) * g],
-                                positions=torch.arange(inp.num_tokens))
+                                positions=torch.arange(inp.num_tokens),
+                                reconstruction=None if inp.reconstruction is None else inp.reconstruction[i:i + 1])
             for i in range(h)]
 
 
@@ -710,7 +710,8 @@ def test_ragged_rounds_respect_caps_forced_tokens_and_positions(name):
                                  values=torch.randn(1, pos.numel(), d, generator=g), region_len=pos.numel(),
                                  page_size=bs, layer_idx=0, num_layers=2, scale=d ** -0.5,
                                  queries=torch.randn(2, 4, d, generator=g),
-                                 query_positions=torch.arange(212, 216), positions=pos))
+                                 query_positions=torch.arange(212, 216), positions=pos,
+                                 reconstruction=torch.rand(1, pos.numel())))
     total = 9
     sel = pol.plan_layer_ragged(heads, total)
     assert sum(sel.counts()) == total * bs
@@ -740,21 +741,3 @@ def test_a_policy_that_declares_no_use_of_values_selects_the_same_without_them(n
         return
     assert [k.tolist() for s in pol.plan_rows(blind, [4 * h] * layers, h) for k in s.kept] == \
         [k.tolist() for s in full for k in s.kept]
-
-
-def test_reconstruction_presets_have_no_ragged_round():
-    """kvzip and contour_kvzip score a context once: the scheduler runs no round after it (T = 0), and the
-    evictor refuses one."""
-    from vllm_contour.evictor import PlanError, plan_round
-
-    names = [n for n in ALL if build_policy(n).needs_reconstruction]
-    assert names == ["contour_kvzip", "kvzip"]
-
-    class Prev:  # a compacted request's layout: the round would be a decode-time one
-        region_blocks = 1
-
-    kc = torch.zeros(4, 2, 8, 8)
-    for name in names:
-        with pytest.raises(PlanError, match="once"):
-            plan_round([(kc, kc)], [0, 1, 2], 20, None, type("B", (), {"num_kv_heads": 2, "block_size": 8})(), 1.0,
-                       prev=Prev(), policy=build_policy(name), reconstruction=torch.zeros(1, 2, 20))

@@ -25,6 +25,10 @@ S = ClockState(prefill_end=100, budget=128, interval=64, block_size=BS)  # short
     (replace(S, interval=0, tried=True), None),
     (replace(S, compacted=True, tried=True, region_blocks=10), 10 * BS + 64),  # the dense tail reached T
     (replace(S, compacted=True, tried=True, region_blocks=10, interval=0), None),
+    # T = 0, a streaming-input session took its next chunk: a round at its end once it completes a block
+    (replace(S, compacted=True, tried=True, region_blocks=10, interval=0, chunk_end=11 * BS + 5), 11 * BS + 5),
+    (replace(S, compacted=True, tried=True, region_blocks=11, interval=0, chunk_end=11 * BS + 5), None),
+    (replace(S, compacted=True, tried=True, region_blocks=10, interval=0, chunk_end=10 * BS + 7), None),
     (replace(S, prefill_end=1000, context_len=300), 300),  # the context boundary first
     (replace(S, prefill_end=1000, context_len=300, tried=True), 1000),  # then as without one
     (replace(S, prefill_end=1000, context_len=300, context_fits=True), 1000),  # C fits: once, at the prompt end

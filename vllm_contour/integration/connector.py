@@ -102,7 +102,8 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
                                                 model_id=f"{mc.model}@{mc.revision}",
                                                 group=0 if group is None else group.index,
                                                 num_groups=1 if group is None else group.num_groups,
-                                                repeat_prompt=lambda: _repeat_prompt(mc))
+                                                repeat_prompt=lambda: _repeat_prompt(mc),
+                                                max_model_len=mc.max_model_len)
         else:
             self.worker_side = WorkerSide(vllm_config, self.config,
                                           layer_names=None if group is None else group.layer_names)

@@ -9,8 +9,12 @@ and fold KVzip's max attention over the context keys into the owner's scores. Th
 while it waits (``holding``); in the step where its last hidden request finishes its prefill its round is
 dispatched with the scores, and it goes on with its question over the compressed context. A hidden request
 samples one token, which no client sees, and finishes: its blocks go back to vLLM's pool as any request's.
-If a hidden request ends before its repeat tokens are computed (aborted, failed), the owner is served
-without eviction; if the owner leaves, its hidden requests are aborted.
+Chunks shrink so that a hidden request fits ``max_model_len``; a context that leaves no room is served
+without eviction, as is an owner whose hidden request ends before its repeat tokens are computed; if the
+owner leaves, its hidden requests are aborted. A streaming-input session's next chunk is reconstructed the
+same way at its end, only the appended tokens repeated (their context, the session's tokens so far,
+uncompressed in the hidden request), and its round then covers the kept tokens (their earlier scores) and
+the new ones.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from vllm_contour.reconstruction import RepeatPrompt, chunks
+from vllm_contour.reconstruction import CHUNK_TOKENS, RepeatPrompt, chunks
 from vllm_contour.integration.state import CaptureItem, ReconItem
 
 if TYPE_CHECKING:
@@ -29,6 +33,7 @@ if TYPE_CHECKING:
     from vllm_contour.integration.scheduler_records import Tracked
 
 PREFIX = "contour-kvzip-"  # request ids of the hidden requests
+MIN_CHUNK = 32  # fewer context tokens a chunk than this (a context near max_model_len): no reconstruction
 
 
 @dataclass
@@ -53,8 +58,9 @@ class Waiting:
 
 
 class Reconstructions:
-    def __init__(self, block_size: int, prompt: Callable[[], RepeatPrompt]):
+    def __init__(self, block_size: int, prompt: Callable[[], RepeatPrompt], max_model_len: int | None = None):
         self.block_size = block_size
+        self.max_model_len = max_model_len  # a hidden request's prompt + its one sampled token must fit
         self._prompt = prompt
         self._repeat: RepeatPrompt | None = None
         self.waiting: dict[str, Waiting] = {}
@@ -71,17 +77,20 @@ class Reconstructions:
         """The owner computes nothing while its reconstruction runs (its question waits for the round)."""
         return req_id in self.waiting
 
-    def start(self, t: "Tracked", c: int) -> int:
-        """Add the hidden requests that reconstruct ``t``'s context ``[0, C)``; -> how many."""
+    def start(self, t: "Tracked", c: int, start_at: int = 0) -> int:
+        """Add the hidden requests that reconstruct ``t``'s context ``[0, C)``, or only its part
+        ``[start_at, C)`` (what a streaming-input session appended since its last round: the earlier part's
+        scores are kept by the workers); -> how many."""
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
         if self._repeat is None:
             self._repeat = self._prompt()
         req = t.request
-        ids = list(req.prompt_token_ids[:c])
+        ids = list(req.all_token_ids[:c])  # a session's earlier turns' tokens are part of its context
+        parts = chunks(ids, c, self._repeat, size=self.chunk_size(c), start_at=start_at)
         w = self.waiting[req.request_id] = Waiting(c, t.epoch)
-        for ch in chunks(ids, c, self._repeat):
+        for ch in parts:
             self._n += 1
             rid = f"{PREFIX}{self._n}-{req.request_id}"
             prompt = ids + list(ch.repeat)
@@ -94,6 +103,17 @@ class Reconstructions:
             self.companions[rid] = Companion(rid, req.request_id, ch.span, c, len(prompt), hidden)
             w.companions.append(rid)
         return len(w.companions)
+
+    def chunk_size(self, c: int) -> int:
+        """KVzip's chunk, or fewer tokens when a hidden request (the context ``C`` + a chunk's repeat ids + one
+        sampled token) would pass ``max_model_len``; ValueError when not even ``MIN_CHUNK`` tokens fit."""
+        if self.max_model_len is None:
+            return CHUNK_TOKENS
+        room = self.max_model_len - 1 - c - self._repeat.longest_ask()
+        if room < MIN_CHUNK:
+            raise ValueError(f"max_model_len {self.max_model_len}: a context of {c} tokens leaves {max(room, 0)} "
+                             f"tokens for a reconstruction chunk (at least {MIN_CHUNK} needed)")
+        return min(CHUNK_TOKENS, room)
 
     def take_new(self) -> list["Request"]:
         out, self._new = self._new, []

@@ -43,14 +43,16 @@ class RoundDispatch:
             captures.append(CaptureItem(req.request_id, span[0], span[1], w))
         if not round_clock.round_due(clock, done, req.num_tokens) or t.pending is not None:
             return
-        if t.reconstructs and not t.compacted:  # scored by the context's reconstruction: it runs first
-            self._reconstruct(t, done)
+        if t.reconstructs and (not t.compacted or done // bs > t.region_blocks):
+            # scored by the context's reconstruction: it runs first (for a compacted streaming-input session,
+            # over the tokens appended since its last round)
+            self._reconstruct(t, done, t.region_blocks * bs if t.compacted else 0)
             return
         self.dispatch(t, done, rounds)
 
-    def _reconstruct(self, t: Tracked, c: int) -> None:
+    def _reconstruct(self, t: Tracked, c: int, start_at: int) -> None:
         try:
-            self.recon.start(t, c)
+            self.recon.start(t, c, start_at)
             self.events.event("reconstructions")
         except Exception as e:  # never into vLLM: the request goes on without eviction
             self.stop_reconstruction(t, e)

@@ -73,6 +73,7 @@ class Tracked:
     region_blocks: int = 0  # E
     retry_at: int = 0  # a first round that found nothing to evict is retried from here (T > 0)
     prefill_tried: bool = False
+    chunk_end: int = 0  # a streaming-input session's latest chunk end (taken with its blocks kept)
     epoch: int = 0  # bumped whenever the request starts over; the worker drops its old state then
     # the round in flight
     seq: int = 0
@@ -94,7 +95,7 @@ class Tracked:
         return ClockState(prefill_end=self.prefill_end, budget=p.budget, interval=self.interval,
                           block_size=block_size, context_len=c, prefill_at_context=p.agnostic_mode == "prefill",
                           context_fits=fits, tried=self.prefill_tried, compacted=self.compacted,
-                          region_blocks=self.region_blocks, retry_at=self.retry_at)
+                          region_blocks=self.region_blocks, retry_at=self.retry_at, chunk_end=self.chunk_end)
 
     def summary(self) -> dict:
         """The per-request eviction report the client gets (vLLM's ``kv_transfer_params`` of the response,

@@ -58,7 +58,7 @@ logger = init_logger("vllm.contour")
 
 class SchedulerSide:
     def __init__(self, config: EvictionConfig, block_size: int, shape: CacheShape | None, model_id: str = "",
-                 group: int = 0, num_groups: int = 1, repeat_prompt=None):
+                 group: int = 0, num_groups: int = 1, repeat_prompt=None, max_model_len: int | None = None):
         self.config = config
         self.block_size = block_size
         self.shape = shape
@@ -72,7 +72,7 @@ class SchedulerSide:
         self.contexts = ContextPublisher(self.shared, block_size)
         self.outcomes = RoundOutcomes(self.tracked, self.blocks, self.contexts, self.events)
         # repeat_prompt: () -> RepeatPrompt, from the model's tokenizer when a context is first reconstructed
-        self.recon = Reconstructions(block_size, repeat_prompt)
+        self.recon = Reconstructions(block_size, repeat_prompt, max_model_len)
         self.dispatch = RoundDispatch(self.blocks, self.contexts, self.events, self.recon)
 
     def bind(self, kv_cache_manager: "KVCacheManager") -> None:
@@ -131,7 +131,7 @@ class SchedulerSide:
             t = self.tracked.get(request.request_id)
             if t is not None and request.num_computed_tokens > 0 and getattr(request, "resumable", False):
                 t.request = request
-                t.prefill_end = request.num_tokens
+                t.prefill_end = t.chunk_end = request.num_tokens
                 return
             t = self._track(request)
             self._reset(t, request)
@@ -165,7 +165,7 @@ class SchedulerSide:
         t.epoch += 1
         t.request = request
         t.prefill_end = request.num_tokens
-        t.compacted, t.region_blocks, t.retry_at, t.pending = False, 0, 0, None
+        t.compacted, t.region_blocks, t.retry_at, t.pending, t.chunk_end = False, 0, 0, None, 0
         t.prefill_tried = False
 
     def _resolve(self, request: "Request") -> RequestEviction | None:

@@ -138,7 +138,7 @@ class WorkerState:
         self.rounds_now: dict[str, RoundItem] = {}
         self.captures: dict[str, CaptureItem] = {}  # this step's capture items, by request
         self.recon_now: dict[str, ReconItem] = {}  # this step's hidden reconstruction requests, by request
-        # owner -> (epoch, [L, H, C] KVzip scores of its context) until its round reads them
+        # owner -> (epoch, [L, H, C] KVzip scores of its context), while it runs (its later rounds read them)
         self.reconstruction: dict[str, tuple[int, torch.Tensor]] = {}
         self.layer_index: dict[str, int] = {}
         # queries staged by the impl during this step's forward: layer -> [total, Hq, D]

@@ -1,7 +1,8 @@
 """The workers' half of KVzip's context reconstruction (``reconstruction.py``): after the forward, a hidden
 request's captured repeat queries of the step and its keys (read from vLLM's cache: every layer's KV of
 the step is written) give KVzip's max attention over its owner's context keys, folded (max) into the
-owner's ``[L, H, C]`` scores, which the owner's round reads (``WorkerState.reconstruction``)."""
+owner's ``[L, H, C]`` scores, which the owner's rounds read (``WorkerState.reconstruction``, kept while the
+owner runs: a streaming-input session's later round needs its kept tokens' scores too)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ def fold(item: ReconItem, positions: torch.Tensor, queries: torch.Tensor,
         scores = torch.zeros((num_layers, h, item.context_len), dtype=torch.float32, device=queries.device)
         scores[:, :, :SINKS] = 1.0
         held = st.reconstruction[item.owner] = (item.epoch, scores)
+    elif held[1].shape[2] < item.context_len:  # a streaming-input session's next chunk: earlier scores kept
+        more = held[1].new_zeros((num_layers, h, item.context_len - held[1].shape[2]))
+        held = st.reconstruction[item.owner] = (item.epoch, torch.cat([held[1], more], dim=2))
     scores = held[1]
     blocks = torch.tensor(item.block_ids, dtype=torch.int64)
     ids = (blocks.view(1, -1) * h + torch.arange(h).view(-1, 1)).reshape(-1).to(queries.device)

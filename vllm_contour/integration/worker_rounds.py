@@ -92,7 +92,7 @@ class WorkerRounds:
                 raise FaultInjected("fault switch: plan failed")
             queries, qpos = rs.ring.layer_queries() if rs.ring is not None else (None, None)
             policy = self._policy(item.params)
-            recon = worker_state().reconstruction.pop(item.req_id, None) if policy.needs_reconstruction else None
+            recon = worker_state().reconstruction.get(item.req_id) if policy.needs_reconstruction else None
             plan = plan_round(views, item.block_ids, item.num_tokens, item.params, item.budget, scale,
                               prev=rs.layout, queries=queries, query_positions=qpos, policy=policy,
                               fresh_ids=item.fresh_ids, layers=layers,

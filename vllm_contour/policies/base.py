@@ -61,8 +61,9 @@ class LayerInputs:
     # ``[H, T]`` bool: False where a row holds padding, not a token (its key is meaningless). Scorers
     # must leave padding out of every statistic; their scores there are ignored. None: all tokens.
     valid: torch.Tensor | None = None
-    # ``[H, C]`` KVzip scores of the context tokens ``[0, C)`` from the engine's context reconstruction (its
-    # chunks' max attention, ``scorers/kvzip.py``), for scorers that ``needs_reconstruction``. None: none ran.
+    # ``[H, T]`` KVzip scores of each row's tokens (by their original positions: the context ``[0, C)`` in a
+    # first round) from the engine's context reconstruction (its chunks' max attention,
+    # ``scorers/kvzip.py``), for scorers that ``needs_reconstruction``. None: none ran.
     reconstruction: torch.Tensor | None = None
 
     @property

@@ -216,6 +216,7 @@ def fold_heads(heads: list[LayerInputs]) -> LayerInputs:
     pos = torch.zeros((n, t), dtype=torch.int64)
     valid = torch.zeros((n, t), dtype=torch.bool)
     prior = None if all(x.prior is None for x in heads) else torch.zeros((n, rmax))
+    recon = None if any(x.reconstruction is None for x in heads) else torch.zeros((n, t))
     for i, x in enumerate(heads):
         r, e = x.region_len, x.num_tokens - x.region_len
         p = x.key_positions()[0]
@@ -224,8 +225,10 @@ def fold_heads(heads: list[LayerInputs]) -> LayerInputs:
         pos[i, rmax:rmax + e], valid[i, rmax:rmax + e] = p[r:], True
         if prior is not None and x.prior is not None:
             prior[i, :r] = x.prior[0, :r]
+        if recon is not None:  # a head's scores follow its candidates, as its keys do
+            recon[i, :r], recon[i, rmax:rmax + e] = x.reconstruction[0, :r], x.reconstruction[0, r:r + e]
     queries = None if h0.queries is None else torch.cat([x.queries for x in heads])
     return LayerInputs(keys=keys, values=values, region_len=rmax, page_size=h0.page_size, layer_idx=h0.layer_idx,
                        num_layers=h0.num_layers, scale=h0.scale, queries=queries,
                        query_positions=h0.query_positions, window_end=h0.window_end, positions=pos, prior=prior,
-                       head_pages=caps, valid=valid)
+                       head_pages=caps, valid=valid, reconstruction=recon)

@@ -80,13 +80,15 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("kvzip", "KVzip (Kim et al., NeurIPS 2025)", KVzipScorer, KVzipAllocator,
            cost="the context's reconstruction once per context (hidden requests: about the context's length in "
                 "tokens with prefix caching, twice that without)",
-           differs="one round, at the context boundary (or the prompt end), later tokens stay dense; the score "
-                   "threshold is per layer, not across layers; sinks and recent window kept"),
+           differs="one round at the context boundary (or the prompt end), and one at the end of each later "
+                   "streaming-input chunk (its new tokens reconstructed over the session's uncompressed tokens); "
+                   "generated tokens stay dense; the score threshold is per layer, not across layers; sinks and "
+                   "recent window kept"),
     Preset("contour_kvzip", "ContourKV allocation over KVzip scores (this project)", KVzipScorer,
            ContourAllocator,
            cost="the context's reconstruction once per context (hidden requests: about the context's length in "
                 "tokens with prefix caching, twice that without)",
-           differs="one round, at the context boundary (or the prompt end), later tokens stay dense"),
+           differs="rounds as kvzip's"),
     Preset("moment", "MomentKV (this project)", MomentScorer, UniformAllocator, moment_correction=True,
            cost="two moment/residual passes (O(N D^2)) per round; moment pages inside the budget",
            differs="the residual puts the key k_j where a query belongs (a proxy)"),
