@@ -5,7 +5,11 @@ own virtualenv (kvpress pins transformers < 5.3; the project's venv has transfor
 
 IN.json: {"model": dir, "samples": [{"content", "question", "answer_prefix", "max_new", "answers", ...}],
           "configs": [{"name", "press", "budget"}]}   (press: none|snapkv|streaming|expected_attention|
-          adakv_snapkv|adakv_expected_attention|knorm; budget: tokens per head, or "P%" of the context)
+          adakv_snapkv|adakv_expected_attention|knorm|kvzip; budget: tokens per head, or "P%" of the context)
+A sample may instead give token ids, ``{"context_ids", "question_ids", "max_new", ...}``: the context is
+prefilled under the press as kvpress's pipeline does and the question answered greedily by the pipeline's
+own ``generate_answer``, with no chat template (benchmarks.passkey's plain prompts, the same ids the engine
+gets); KVzipPress is then told the context has no chat-template prefix.
 OUT.json: one row per (config, sample) with the answer, the compression ratio used, and the bytes of the KV
 cache tensors actually held after compression (every key/value tensor's numel × element size, masked
 entries included), plus the unmasked part for per-head (AdaKV) presses.
@@ -85,6 +89,8 @@ def make_press(name: str, ratio: float):
         return kp.ExpectedAttentionPress(compression_ratio=ratio)
     if name == "knorm":
         return kp.KnormPress(compression_ratio=ratio)
+    if name == "kvzip":  # its default: one threshold across layers and heads (layerwise=False), masks
+        return kp.KVzipPress(compression_ratio=ratio)
     if name == "adakv_snapkv":
         return kp.AdaKVPress(kp.SnapKVPress(compression_ratio=ratio))
     if name == "adakv_expected_attention":
@@ -110,6 +116,10 @@ def main(inp: str, outp: str) -> None:
     for cfg in spec["configs"]:
         for s in spec["samples"]:
             t0 = time.time()
+            if "context_ids" in s:
+                rows.append(run_ids(model, pipe, cfg, s))
+                print(f"  {cfg['name']:<32} {time.time() - t0:5.1f} s  {rows[-1]['pred'][:40]!r}", flush=True)
+                continue
             pre = pipe.preprocess(s["content"], ["\n" + s["question"]], s["answer_prefix"].lstrip(), 10**9)
             ctx_len = int(pre["context_ids"].shape[1])
             q_len = int(pre["questions_ids"][0].shape[1])
@@ -144,6 +154,40 @@ def main(inp: str, outp: str) -> None:
     json.dump({"rows": rows, "seconds": time.time() - t_all,
                "versions": {"kvpress": _version("kvpress"), "transformers": _version("transformers"),
                             "torch": torch.__version__}}, open(outp, "w"), indent=1)
+
+
+def run_ids(model, pipe, cfg: dict, s: dict) -> dict:
+    """One sample given as token ids (see the module docstring) -> its row."""
+    import contextlib
+
+    import torch
+    from transformers import DynamicCache
+
+    import kvpress as kp
+
+    t0 = time.time()
+    ctx = torch.tensor([s["context_ids"]])
+    question = torch.tensor([s["question_ids"]])
+    budget, ratio = (None, 0.0) if cfg["press"] == "none" else resolve_ratio(cfg["budget"], ctx.shape[1])
+    press = None if cfg["press"] == "none" else make_press(cfg["press"], ratio)
+    for m in model.modules():
+        if hasattr(m, "masked_key_indices"):
+            m.masked_key_indices = None
+    cache = DynamicCache()
+    with torch.inference_mode():
+        with press(model) if press is not None else contextlib.nullcontext():
+            if isinstance(press, kp.KVzipPress):
+                press.prefix_length = 0  # plain text: no chat-template prefix to skip
+            model.model(input_ids=ctx, past_key_values=cache)
+        held, eb, masked = cache_bytes(cache), entry_bytes(cache), masked_entries(model)
+        heads_layers = sum(k.shape[0] * k.shape[1] for k, _ in iter_kv(cache))
+        pred = pipe.generate_answer(question_ids=question, cache=cache, context_length=ctx.shape[1],
+                                    max_new_tokens=s["max_new"])
+    return {"config": cfg["name"], "press": cfg["press"], "budget": cfg["budget"], "budget_tokens": budget,
+            "compression_ratio": ratio, "idx": s.get("idx"), "context_tokens": int(ctx.shape[1]),
+            "question_tokens": int(question.shape[1]), "pred": pred, "answers": s.get("answers"),
+            "context_bytes": held, "masked_entries": masked, "unmasked_context_bytes": held - masked * eb,
+            "entry_bytes": eb, "heads_layers": heads_layers, "seconds": time.time() - t0}
 
 
 def _version(name: str) -> str:

@@ -61,6 +61,18 @@ def make_prompt(tok, context_tokens: int, depth: float, key: int, chat: bool = F
     return list(ids), len(ids) - len(q_ids) - (8 if chat else 0)
 
 
+def make_trials(tok, args) -> list[dict]:
+    """The trials' prompts: the needle at evenly spread depths, keys drawn from ``args.seed``."""
+    rnd = random.Random(args.seed)
+    trials = []
+    for i in range(args.trials):
+        depth = (i + 0.5) / args.trials
+        key = rnd.randrange(10000, 99999)
+        ids, ctx = make_prompt(tok, args.context, depth, key, chat=args.chat)
+        trials.append({"depth": depth, "key": key, "ids": ids, "context_len": ctx})
+    return trials
+
+
 def run(args) -> dict:
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
@@ -73,13 +85,7 @@ def run(args) -> dict:
               additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}})
     tok = llm.get_tokenizer()
     conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    rnd = random.Random(args.seed)
-    trials = []
-    for i in range(args.trials):
-        depth = (i + 0.5) / args.trials
-        key = rnd.randrange(10000, 99999)
-        ids, ctx = make_prompt(tok, args.context, depth, key, chat=args.chat)
-        trials.append({"depth": depth, "key": key, "ids": ids, "context_len": ctx})
+    trials = make_trials(tok, args)
     n_tokens = len(trials[0]["ids"])
     configs = config_list(args, n_tokens)
     res = {"model": args.model, "prompt_tokens": n_tokens, "trials": args.trials, "seed": args.seed,
@@ -121,6 +127,66 @@ def run(args) -> dict:
         res["seconds"] = time.time() - t0
         out_json.write_text(json.dumps(stamp(res, getattr(args, "argv", None)), indent=1))
     return res
+
+
+def kvpress_spec(args, model: str, trials: list[dict]) -> dict:
+    """The runner's input: every trial's context and question as the engine's token ids, each press at each
+    budget (tokens per head; kvpress's compression ratio = 1 - budget / context), plus kvpress's full cache."""
+    samples = [{"idx": i, "context_ids": t["ids"][: t["context_len"]], "question_ids": t["ids"][t["context_len"]:],
+                "max_new": 10, "answers": [str(t["key"])]} for i, t in enumerate(trials)]
+    configs = [{"name": "kvpress:none", "press": "none", "budget": None}]
+    configs += [{"name": f"kvpress:{p}@{b}/agn", "press": p, "budget": int(b)}
+                for p in args.kvpress.split(",") for b in args.budgets.split(",") if b]
+    return {"model": model, "samples": samples, "configs": configs}
+
+
+def kvpress_results(rows: list[dict]) -> dict:
+    """Runner rows -> result entries like the engine's: correct / trials and the KV tokens per head that
+    kvpress keeps unmasked after compressing the context (``kept_kv_tokens``) and that its cache still holds
+    (``held_kv_tokens``: masked entries stay), each averaged over the trials."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        e = out.setdefault(r["config"], {"policy": f"kvpress:{r['press']}", "budget": r["budget"],
+                                         "mode": "agnostic", "correct": 0, "trials": 0, "answers": [],
+                                         "seconds": 0.0, "kept": [], "held": []})
+        e["correct"] += any(a in r["pred"] for a in r["answers"])
+        e["trials"] += 1
+        e["answers"].append(r["pred"])
+        e["seconds"] += r["seconds"]
+        per_token = r["entry_bytes"] * r["heads_layers"]
+        e["kept"].append(r["unmasked_context_bytes"] / per_token)
+        e["held"].append(r["context_bytes"] / per_token)
+    for e in out.values():
+        kept, held = e.pop("kept"), e.pop("held")
+        e["kept_kv_tokens"], e["held_kv_tokens"] = sum(kept) / len(kept), sum(held) / len(held)
+    return out
+
+
+def run_kvpress(args, res: dict, out: Path) -> None:
+    """kvpress on the trials the engine answered (the same token ids), in its own venv; adds its entries."""
+    import subprocess
+
+    from benchmarks.audit import ensure_venv
+    from vllm_contour.models import fetch_model
+
+    with open(out / "kvpress-install.log", "w") as log:
+        py, why = ensure_venv(Path(args.kvpress_venv), log)
+    if py is None:
+        res["kvpress"] = f"not run: {why}"
+        return
+    from transformers import AutoTokenizer
+
+    model = str(fetch_model(args.model, quiet=True))
+    spec = kvpress_spec(args, model, make_trials(AutoTokenizer.from_pretrained(model), args))
+    (out / "kvpress_in.json").write_text(json.dumps(spec))
+    runner = Path(__file__).resolve().parent / "kvpress_runner.py"
+    r = subprocess.run([str(py), str(runner), str(out / "kvpress_in.json"), str(out / "kvpress_out.json")])
+    if r.returncode != 0:
+        res["kvpress"] = f"runner failed (rc {r.returncode})"
+        return
+    got = json.loads((out / "kvpress_out.json").read_text())
+    res["kvpress"] = got["versions"]
+    res["results"].update(kvpress_results(got["rows"]))
 
 
 # mode -> suffix of the configuration names
@@ -217,6 +283,9 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", default="aware", help="aware,agnostic,score_only (see above)")
     ap.add_argument("--resume", action="store_true", help="keep configurations already in the JSON")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the engine's dtype")
+    ap.add_argument("--kvpress", default="", help="kvpress presses (kvzip,knorm,snapkv,...) run on the same "
+                    "samples query-agnostic at --budgets, in kvpress's own venv (benchmarks.audit), fp32")
+    ap.add_argument("--kvpress-venv", default=str(Path(__file__).resolve().parents[1] / "results" / ".kvpress-venv"))
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.quick:
@@ -224,6 +293,8 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = run(args)
+    if args.kvpress:
+        run_kvpress(args, res, out)
     (out / "passkey.json").write_text(json.dumps(stamp(res, args.argv), indent=1))
     plot(res, out / "passkey.png")
     print(table(res))

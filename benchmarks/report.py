@@ -72,8 +72,29 @@ def render_passkey(runs: list[tuple[str, dict]]) -> str:
                 f"{res['trials']}; columns are tokens per KV head, `agn` = query-agnostic (the context "
                 f"compressed before the question is computed), `so` = score_only (the question is only kept out of "
                 f"the scoring)" + _passkey_cost(res), "",
-                md_table(["policy"] + cols, body)]
+                md_table(["policy"] + cols, body)] + _passkey_held(res, cols)
     return "\n".join(out)
+
+
+def _passkey_held(res: dict, cols: list[str]) -> list[str]:
+    """A second table when the run recorded what each configuration held: KV tokens per head (the engine:
+    the mean over a request's life read from vLLM's pool; kvpress: kept unmasked / held in its cache after
+    compressing the context) and the wall seconds per trial."""
+    rows: dict[str, dict[str, str]] = {}
+    for r in res["results"].values():
+        if r["budget"] is None:
+            continue
+        col = f"{r['budget']}{MODE_COLS.get(r['mode'], '')}"
+        per = f" · {r['seconds'] / r['trials']:.1f} s" if r.get("seconds") else ""
+        if r.get("kept_kv_tokens") is not None:
+            rows.setdefault(r["policy"], {})[col] = f"{r['kept_kv_tokens']:.0f} of {r['held_kv_tokens']:.0f}{per}"
+        elif r.get("mean_kv_tokens") is not None:
+            rows.setdefault(r["policy"], {})[col] = f"{r['mean_kv_tokens']:.0f}{per}"
+    if not rows:
+        return []
+    return ["", "KV tokens per head held (vLLM's pool: mean over a request's life, prefill included; kvpress: "
+            "kept unmasked of held in its cache after compressing the context) · wall seconds per trial:", "",
+            md_table(["policy"] + cols, [[p] + [cells.get(c, "-") for c in cols] for p, cells in rows.items()])]
 
 
 def _passkey_cost(res: dict) -> str:
@@ -342,7 +363,8 @@ def render_shared_doc(runs: list[tuple[str, dict]]) -> str:
         a = res["args"]
         load = [x for r in res["runs"] for x in r.get("loadavg", [])]
         out += [provenance(res, "shared_doc", src) + f" — a {res['doc_tokens']}-token document, {len(res['codes'])} "
-                f"questions; concurrent phase: all at once, {a['output_len']} tokens each; {a['policy']} at "
+                f"questions; concurrent phase: all at once, {a['output_len']} tokens each; "
+                f"{', '.join(dict.fromkeys(r.get('policy', a['policy']) for r in res['runs'] if r.get('evict', r['name'] != 'stock_pc')))} at "
                 f"{a['budget']} tokens per head, T {64 if a.get('decode_interval') is None else a['decode_interval']}"
                 + (f" (host load {min(load):.1f}–{max(load):.1f})" if load else ""), "", table(res), ""]
     return "\n".join(out).rstrip("\n")

@@ -14,6 +14,12 @@ question per fact, sent to ``vllm-contour serve`` in three configurations on the
 - ``evict_nopc``: the same eviction with ``--no-enable-prefix-caching``: every request prefills the whole
   document.
 
+A configuration may name its own policy, ``evict_pc:kvzip`` (``--policy`` otherwise), so one run compares
+policies against the same stock baseline. With ``kvzip`` / ``contour_kvzip`` the first request's TTFT
+includes KVzip's reconstruction of the document (hidden requests, ``vllm:contour_reconstruction_tokens``).
+``--filler passkey`` builds the document from the passkey benchmark's repeated sentences instead of a play
+passage, and phrases each fact as a pass key: a haystack the default model reads, so accuracy can move.
+
 Phase 1 sends the questions one at a time (greedy, ``--answer-tokens`` tokens, streamed): TTFT of each and
 its answer, graded by the first four-digit number in it (exact match with the room's code), and the
 ``cached_tokens`` vLLM reports in its usage (``--enable-prompt-tokens-details``). Phase 2 sends
@@ -67,19 +73,29 @@ def grade(answer: str, code: str) -> bool:
     return m is not None and m.group(1) == code
 
 
-def workload(tokenizer, facts: int, doc_tokens: int, seed: int):
+def workload(tokenizer, facts: int, doc_tokens: int, seed: int, filler: str = "play"):
     from benchmarks.text import token_passages
 
     rnd = random.Random(seed)
     rooms = ROOMS[:facts]
     codes = [str(rnd.randrange(1000, 10000)) for _ in rooms]
-    fact_ids = [tokenizer.encode(f"\nNote: the code of the {r} room is {c}.\n", add_special_tokens=False)
-                for r, c in zip(rooms, codes)]
-    filler = doc_tokens - sum(len(f) for f in fact_ids)
-    passage = token_passages(tokenizer, 1, filler, seed=seed)[0]
+    if filler == "passkey":
+        from benchmarks.passkey import FILLER
+
+        fact_text = " The pass key of the {r} room is {c}. Remember it. {c} is the pass key of the {r} room. "
+        question_text = "\nWhat is the pass key of the {r} room? The pass key of the {r} room is"
+    else:
+        fact_text = "\nNote: the code of the {r} room is {c}.\n"
+        question_text = "\nQuestion: what is the code of the {r} room?\nAnswer: The code of the {r} room is"
+    fact_ids = [tokenizer.encode(fact_text.format(r=r, c=c), add_special_tokens=False) for r, c in zip(rooms, codes)]
+    n_fill = doc_tokens - sum(len(f) for f in fact_ids)
+    if filler == "passkey":
+        unit = tokenizer.encode(FILLER, add_special_tokens=False)
+        passage = (unit * (n_fill // len(unit) + 1))[:n_fill]
+    else:
+        passage = token_passages(tokenizer, 1, n_fill, seed=seed)[0]
     doc = build_document(passage, fact_ids)
-    questions = [tokenizer.encode(f"\nQuestion: what is the code of the {r} room?\nAnswer: The code of the {r} "
-                                  "room is", add_special_tokens=False) for r in rooms]
+    questions = [tokenizer.encode(question_text.format(r=r), add_special_tokens=False) for r in rooms]
     return doc, questions, rooms, codes
 
 
@@ -115,13 +131,24 @@ CONFIGS = {
 }
 
 
+def config_of(name: str, opts) -> dict:
+    """``NAME[:POLICY]`` -> the configuration (``CONFIGS[NAME]``) with its policy (``--policy`` by default)."""
+    base, _, policy = name.partition(":")
+    if base not in CONFIGS:
+        raise SystemExit(f"--configs: unknown configuration {base!r} ({', '.join(CONFIGS)})")
+    cfg = dict(CONFIGS[base])
+    if cfg["evict"]:
+        cfg["policy"] = policy or opts.policy
+    return cfg
+
+
 def server_flags(cfg: dict, opts, max_model_len: int) -> list[str]:
     flags = ["--dtype", "float32", "--enforce-eager", "--block-size", str(opts.block_size),
              "--num-gpu-blocks-override", str(opts.pool), "--max-model-len", str(max_model_len), "--seed", "0",
              "--enable-prefix-caching" if cfg["prefix"] else "--no-enable-prefix-caching",
              "--enable-prompt-tokens-details"]
     if cfg["evict"]:
-        flags += ["--kv-eviction-policy", opts.policy, "--kv-budget", str(opts.budget)]
+        flags += ["--kv-eviction-policy", cfg.get("policy", opts.policy), "--kv-budget", str(opts.budget)]
         if getattr(opts, "decode_interval", None) is not None:
             flags += ["--kv-decode-interval", str(opts.decode_interval)]
         if not cfg.get("share", True):
@@ -144,6 +171,7 @@ def run_config(name: str, cfg: dict, opts, doc, questions, codes, out: Path, env
                 b["vllm_xargs"] = xargs
             return b
 
+        start = metric_totals(http_get(server.base_url + "/metrics"))
         seq = []
         for q, code in zip(questions, codes):
             r = stream_completion(server.base_url, body(q, opts.answer_tokens))
@@ -170,8 +198,8 @@ def run_config(name: str, cfg: dict, opts, doc, questions, codes, out: Path, env
     finally:
         server.stop()
 
-    def delta(k):
-        a, b = metric(after, k), metric(before, k)
+    def delta(k, since=None):
+        a, b = metric(after, k), metric(before if since is None else since, k)
         return None if a is None else a - (b or 0.0)
 
     out_tokens = sum(r["tokens"] or 0 for r in results)
@@ -188,6 +216,9 @@ def run_config(name: str, cfg: dict, opts, doc, questions, codes, out: Path, env
         "prefix_hits_tokens": delta("vllm:prefix_cache_hits"), "prefix_queries_tokens": delta("vllm:prefix_cache_queries"),
         "cached_tokens_rest_mean": sum(r["cached_tokens"] or 0 for r in seq[1:]) / max(1, len(seq) - 1),
         "shared_hits": delta("vllm:contour_shared_context_hits"),
+        # over the whole run (both phases): KVzip's reconstructions of the document
+        "reconstructions": delta("vllm:contour_reconstructions", start),
+        "reconstruction_tokens": delta("vllm:contour_reconstruction_tokens", start),
         "freed_blocks": delta("vllm:contour_freed_blocks"), "private_blocks": delta("vllm:contour_private_blocks"),
         "mean_kv_tokens": (delta("vllm:contour_request_mean_kv_tokens_sum") or 0) /
                           max(1.0, delta("vllm:contour_request_mean_kv_tokens_count") or 0)
@@ -212,6 +243,8 @@ def main(argv=None) -> int:
                    "plugin's, 64; 0 = no decode-time rounds, the shared context stays shared to the end)")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--filler", choices=["play", "passkey"], default="play",
+                   help="the document's filler: a play passage, or the passkey benchmark's sentences")
     opts = p.parse_args(argv)
     install_cleanup()
     out = Path(opts.out)
@@ -223,14 +256,14 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(opts.model)
-    doc, questions, rooms, codes = workload(tok, opts.facts, opts.doc_tokens, opts.seed)
+    doc, questions, rooms, codes = workload(tok, opts.facts, opts.doc_tokens, opts.seed, opts.filler)
     env = child_env(1)
     record = stamp({"args": vars(opts), "doc_tokens": len(doc), "rooms": rooms, "codes": codes,
                     "host": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}, "runs": []},
                    argv if argv is not None else sys.argv[1:])
     t0 = time.time()
     for name in opts.configs.split(","):
-        record["runs"].append(run_config(name, CONFIGS[name], opts, doc, questions, codes, out, env))
+        record["runs"].append(run_config(name, config_of(name, opts), opts, doc, questions, codes, out, env))
         record["wall_seconds"] = time.time() - t0
         (out / "shared_doc.json").write_text(json.dumps(record, indent=1))
     print(table(record))
@@ -248,10 +281,12 @@ def table(record: dict) -> str:
         rows.append([r["name"], record["args"]["pool"], r["ttft_first_s"], r["ttft_rest_mean_s"],
                      r["ttft_rest_over_first"], r.get("cached_tokens_rest_mean"), f"{r['right']}/{n}",
                      r["output_tok_s"], ratio,
-                     r["peak_running"], r["mean_running"], r["preemptions"], r["mean_kv_tokens"]])
+                     r["peak_running"], r["mean_running"], r["preemptions"], r["mean_kv_tokens"],
+                     r.get("reconstruction_tokens")])
     return md_table(["config", "pool", "TTFT 1st s", f"TTFT 2-{n} s", "ratio", f"cached 2-{n}", "right",
                      "out tok/s",
-                     "x stock_pc", "peak running", "mean running", "preemptions", "mean KV/head"], rows)
+                     "x stock_pc", "peak running", "mean running", "preemptions", "mean KV/head",
+                     "reconstructed tokens"], rows)
 
 
 if __name__ == "__main__":
