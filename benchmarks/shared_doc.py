@@ -73,27 +73,30 @@ def grade(answer: str, code: str) -> bool:
     return m is not None and m.group(1) == code
 
 
-def workload(tokenizer, facts: int, doc_tokens: int, seed: int, filler: str = "play"):
+def filler_ids(tokenizer, filler: str, n: int, seed: int) -> list[int]:
+    """``n`` token ids of filler: a play passage, or the passkey benchmark's sentences repeated."""
+    if filler == "passkey":
+        from benchmarks.passkey import FILLER
+
+        unit = tokenizer.encode(FILLER, add_special_tokens=False)
+        return (unit * (n // len(unit) + 1))[:n]
     from benchmarks.text import token_passages
 
+    return token_passages(tokenizer, 1, n, seed=seed)[0]
+
+
+def workload(tokenizer, facts: int, doc_tokens: int, seed: int, filler: str = "play"):
     rnd = random.Random(seed)
     rooms = ROOMS[:facts]
     codes = [str(rnd.randrange(1000, 10000)) for _ in rooms]
     if filler == "passkey":
-        from benchmarks.passkey import FILLER
-
         fact_text = " The pass key of the {r} room is {c}. Remember it. {c} is the pass key of the {r} room. "
         question_text = "\nWhat is the pass key of the {r} room? The pass key of the {r} room is"
     else:
         fact_text = "\nNote: the code of the {r} room is {c}.\n"
         question_text = "\nQuestion: what is the code of the {r} room?\nAnswer: The code of the {r} room is"
     fact_ids = [tokenizer.encode(fact_text.format(r=r, c=c), add_special_tokens=False) for r, c in zip(rooms, codes)]
-    n_fill = doc_tokens - sum(len(f) for f in fact_ids)
-    if filler == "passkey":
-        unit = tokenizer.encode(FILLER, add_special_tokens=False)
-        passage = (unit * (n_fill // len(unit) + 1))[:n_fill]
-    else:
-        passage = token_passages(tokenizer, 1, n_fill, seed=seed)[0]
+    passage = filler_ids(tokenizer, filler, doc_tokens - sum(len(f) for f in fact_ids), seed)
     doc = build_document(passage, fact_ids)
     questions = [tokenizer.encode(question_text.format(r=r), add_special_tokens=False) for r in rooms]
     return doc, questions, rooms, codes
@@ -249,6 +252,7 @@ def main(argv=None) -> int:
     install_cleanup()
     out = Path(opts.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    model_name = opts.model or "smollm2"  # what the record names (the bundled model's cache path stays local)
     if opts.model is None:
         from vllm_contour.models import fetch_model
 
@@ -258,7 +262,7 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(opts.model)
     doc, questions, rooms, codes = workload(tok, opts.facts, opts.doc_tokens, opts.seed, opts.filler)
     env = child_env(1)
-    record = stamp({"args": vars(opts), "doc_tokens": len(doc), "rooms": rooms, "codes": codes,
+    record = stamp({"args": dict(vars(opts), model=model_name), "doc_tokens": len(doc), "rooms": rooms, "codes": codes,
                     "host": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}, "runs": []},
                    argv if argv is not None else sys.argv[1:])
     t0 = time.time()

@@ -66,7 +66,7 @@ def chunks(prompt_ids, context_len: int, prompt: RepeatPrompt, size: int = CHUNK
     start = p if 0 < p < context_len and tuple(ids[:p]) == prompt.prefix else 0
     start = max(start, start_at)
     out = []
-    for i, a in enumerate(range(start, len(ids), size)):
+    for a in range(start, len(ids), size):
         part = ids[a : a + size]
         ask = list(prompt.first) if a == start and start_at == 0 else list(prompt.later) + ids[max(0, a - overlap) : a]
         out.append(Chunk((a, a + len(part)), tuple(ask + list(prompt.suffix) + part)))

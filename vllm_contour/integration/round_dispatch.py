@@ -43,9 +43,8 @@ class RoundDispatch:
             captures.append(CaptureItem(req.request_id, span[0], span[1], w))
         if not round_clock.round_due(clock, done, req.num_tokens) or t.pending is not None:
             return
-        if t.reconstructs and (not t.compacted or done // bs > t.region_blocks):
-            # scored by the context's reconstruction: it runs first (for a compacted streaming-input session,
-            # over the tokens appended since its last round)
+        if t.reconstructs:  # scored by the context's reconstruction: it runs first (for a compacted
+            # streaming-input session, over the tokens appended since its last round)
             self._reconstruct(t, done, t.region_blocks * bs if t.compacted else 0)
             return
         self.dispatch(t, done, rounds)
