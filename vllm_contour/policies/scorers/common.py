@@ -60,13 +60,13 @@ def window_attention(inp: LayerInputs) -> torch.Tensor:
     t = k.shape[1]
     if w == 0:
         return torch.zeros(hq, 0, t)
-    logits = torch.matmul(q.reshape(h, g * w, -1), k.transpose(1, 2)).view(hq, w, t).mul_(inp.scale)  # [Hq, W, T]
+    logits = torch.matmul((q * inp.scale).reshape(h, g * w, -1), k.transpose(1, 2)).view(hq, w, t)  # [Hq, W, T]
     if inp.positions is None and inp.valid is None:  # keys 0..T-1: only those after the first query are masked
         s = max(0, min(t, int(qpos.min()) + 1)) if qpos.numel() else t
         logits[:, :, s:].masked_fill_(torch.arange(s, t).view(1, 1, -1) > qpos.view(1, w, 1), float("-inf"))
-    else:
-        kpos = inp.key_positions().repeat_interleave(g, dim=0).unsqueeze(1)  # [Hq, 1, T]; padding: past every query
-        logits.masked_fill_(kpos > qpos.view(1, w, 1), float("-inf"))
+    else:  # one mask per KV head, shared by its GQA group; padding lies past every query
+        future = inp.key_positions().unsqueeze(1) > qpos.view(1, w, 1)  # [H, W, T]
+        logits.view(h, g, w, t).masked_fill_(future.unsqueeze(1), float("-inf"))
     return torch.softmax(logits, dim=-1)
 
 
