@@ -78,7 +78,7 @@ FULL = dict(output_lens=[64, 256, 512], num_prompts=24, max_concurrency=24, pool
 RUN_METRICS = ("request_throughput", "output_throughput", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
                "tpot_p99_ms", "peak_running", "mean_running", "peak_kv_usage", "preemptions")
 CONTOUR_COUNTERS = ("evicted_requests", "rounds", "freed_blocks", "stale_reports", "policy_seconds",
-                    "compact_seconds", "tokens_evicted", "request_mean_kv_tokens_sum", "request_mean_kv_tokens_count",
+                    "compact_seconds", "later_round_seconds", "tokens_evicted", "request_mean_kv_tokens_sum", "request_mean_kv_tokens_count",
                     "request_peak_kv_tokens_sum", "request_peak_kv_tokens_count")
 VLLM_COUNTERS = ("vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens",
                  "vllm:request_success")
@@ -274,13 +274,17 @@ def eviction_overhead(deltas: dict[str, float], wall_s: float | None,
     stall the whole batch, so their worker time is compared with the run's wall time."""
     cost = deltas.get("policy_seconds", 0.0) + deltas.get("compact_seconds", 0.0)
     rounds, evicted = deltas.get("rounds") or 0.0, deltas.get("evicted_requests") or 0.0
+    later, later_s = max(0.0, rounds - evicted), deltas.get("later_round_seconds", 0.0)  # after each first round
     return {"eviction_seconds": cost, "rounds": rounds,
             "rounds_per_request": rounds / evicted if evicted else None,
             "ms_per_round": 1000.0 * cost / rounds if rounds else None,
             "overhead_pct_of_wall": 100.0 * cost / wall_s if wall_s else None,
             "overhead_pct_of_ttft_sum": 100.0 * cost / ttft_sum_s if ttft_sum_s else None,
             "policy_ms_per_request": 1000.0 * deltas.get("policy_seconds", 0.0) / evicted if evicted else None,
-            "compact_ms_per_request": 1000.0 * deltas.get("compact_seconds", 0.0) / evicted if evicted else None}
+            "compact_ms_per_request": 1000.0 * deltas.get("compact_seconds", 0.0) / evicted if evicted else None,
+            "later_rounds": later,
+            "later_round_ms": 1000.0 * later_s / later if later else None,
+            "later_round_pct_of_wall": 100.0 * later_s / wall_s if wall_s else None}
 
 
 def kv_held_summary(deltas: dict[str, float]) -> dict[str, float | None]:
@@ -873,7 +877,8 @@ RATIO_COLS = [("config", "config"), ("pool", "pool"), ("output_len", "L"), ("req
 OVERHEAD_COLS = [("config", "config"), ("pool", "pool"), ("output_len", "L"), ("request_rate", "arrivals/s"),
                  ("evicted_requests", "evicted"), ("rounds_per_request", "rounds/req"),
                  ("freed_blocks", "freed blocks"), ("ms_per_round", "ms/round"),
-                 ("overhead_pct_of_wall", "% of wall"), ("mean_kv_tokens", "mean KV/head"),
+                 ("overhead_pct_of_wall", "% of wall"), ("later_round_ms", "ms/later round"),
+                 ("later_round_pct_of_wall", "later rounds % of wall"), ("mean_kv_tokens", "mean KV/head"),
                  ("peak_kv_tokens", "peak KV/head")]
 OFFLINE_COLS = [("config", "config"), ("pool", "pool"), ("num_prompts", "prompts"), ("output_len", "L"),
                 ("generate_s", "generate s"), ("output_tok_per_s", "out tok/s"), ("total_tok_per_s", "total tok/s"),
@@ -991,6 +996,8 @@ def main(argv=None) -> int:
             "tpot": "(latency - ttft) / (output_tokens - 1) per request, percentiles with linear interpolation",
             "overhead_pct_of_wall": "(policy_seconds + compact_seconds) / the run's duration: rounds (prompt end "
                                     "and decode time) run inside engine steps and stall the batch",
+            "later_round_pct_of_wall": "later_round_seconds / the run's duration: the rounds of requests already "
+                                       "compacted (decode-time rounds after each request's first round)",
             "mean_kv_tokens": "mean over the run's requests of each request's mean KV tokens per head held in "
                               "vLLM's pool over its life (the plugin's histograms); stock: *_est, every token "
                               "in whole blocks, no preemption",

@@ -142,7 +142,7 @@ def test_ratio_table_pairs_by_arrival_rate_and_rates_parse():
 
 def test_eviction_overhead_and_kv_held():
     d = {"policy_seconds": 0.3, "compact_seconds": 0.1, "rounds": 8.0, "evicted_requests": 4.0,
-         "request_mean_kv_tokens_sum": 600.0, "request_mean_kv_tokens_count": 4.0,
+         "later_round_seconds": 0.12, "request_mean_kv_tokens_sum": 600.0, "request_mean_kv_tokens_count": 4.0,
          "request_peak_kv_tokens_sum": 768.0, "request_peak_kv_tokens_count": 4.0}
     o = eviction_overhead(d, wall_s=20.0, ttft_sum_s=80.0)
     assert o["eviction_seconds"] == pytest.approx(0.4)
@@ -151,6 +151,8 @@ def test_eviction_overhead_and_kv_held():
     assert o["overhead_pct_of_ttft_sum"] == pytest.approx(0.5)
     assert o["policy_ms_per_request"] == pytest.approx(75.0)
     assert o["compact_ms_per_request"] == pytest.approx(25.0)
+    assert o["later_rounds"] == 4.0 and o["later_round_ms"] == pytest.approx(30.0)  # 8 rounds, 4 of them first
+    assert o["later_round_pct_of_wall"] == pytest.approx(0.6)
     empty = eviction_overhead({}, None, None)
     assert empty["overhead_pct_of_wall"] is None and empty["policy_ms_per_request"] is None
     assert kv_held_summary(d) == {"mean_kv_tokens": 150.0, "peak_kv_tokens": 192.0}

@@ -120,3 +120,11 @@ def test_rounds_due_together_move_together_and_a_failure_stays_with_its_request(
     assert isinstance(rep["a"], Round) and isinstance(rep["c"], Round) and isinstance(rep["b"], Recompute)
     assert st.requests["a"].layout is not None and st.requests["c"].layout is not None and "b" not in st.requests
     assert stats.data.get("c:batched_rounds") == 2, stats.data
+    assert "c:later_round_seconds" not in stats.data  # first rounds only
+    later = RoundItem(req_id="a", block_ids=items[0].block_ids, num_tokens=per_req * bs, params=params, budget=pb,
+                      seq=2)
+    rep2, stats2 = {}, ContourStats()
+    rounds.run([later], ws._views, d ** -0.5, None, rep2, stats2)
+    assert isinstance(rep2["a"], Round)
+    assert stats2.data["c:later_round_seconds"] == pytest.approx(stats2.data["c:policy_seconds"]
+                                                                 + stats2.data["c:compact_seconds"])

@@ -30,6 +30,8 @@ COUNTERS = {
     "stale_reports": "Eviction reports ignored (request finished or preempted meanwhile)",
     "policy_seconds": "Worker time spent planning rounds (scoring, allocation, layout)",
     "compact_seconds": "Worker time spent moving kept tokens and storing moments",
+    "later_round_seconds": "The part of policy_seconds + compact_seconds spent in rounds of requests already "
+                           "compacted (decode-time rounds after the first, a session's later chunks)",
     "batched_rounds": "Rounds whose bytes moved together with other requests' rounds due in the same step "
                       "(one compaction per layer)",
     "reconstructions": "Contexts reconstructed for KVzip scores (kvzip, contour_kvzip), by hidden requests that "

@@ -121,6 +121,8 @@ class WorkerRounds:
         worker_state().set_layout(item.req_id, layout)
         stats.add("policy_seconds", plan_seconds)
         stats.add("compact_seconds", apply_seconds)
+        if plan.prev is not None:
+            stats.add("later_round_seconds", plan_seconds + apply_seconds)
         stats.add("tokens_evicted", plan.evicted_tokens / max(1, layout.num_layers * layout.num_kv_heads))
         stats.observe("round_seconds", plan_seconds + apply_seconds)
         return Round(item.seq, layout.region_blocks, layout.kept_blocks,
