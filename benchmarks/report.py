@@ -155,8 +155,12 @@ def render_serving(runs: list[tuple[str, dict]]) -> str:
         kv = [o["mean_kv_tokens"] for o in wall if o.get("mean_kv_tokens") is not None]
         held = (f" A request held {_span(kv, 0)} KV tokens per head on average over its life (vLLM's pool)."
                 if kv else "")
+        later = [o for o in wall if o.get("later_round_pct_of_wall") is not None and o.get("later_rounds")]
+        later_s = (f" Of them, the rounds of requests already compacted (decode-time, after each request's first): "
+                   f"{_span([o['later_round_ms'] for o in later], 0)} ms each, "
+                   f"{_span([o['later_round_pct_of_wall'] for o in later], 1)} % of the wall." if later else "")
         out += [f"Eviction rounds: {_span(rpr, 1)} per request, {_span(ms, 0)} ms each, {_span(pct, 1)} % of the "
-                f"run's wall time (from the plugin's own counters).{held}", ""]
+                f"run's wall time (from the plugin's own counters).{later_s}{held}", ""]
     elif over_rows:
         pct = [o["overhead_pct_of_prefill"] for o in over_rows if o.get("overhead_pct_of_prefill") is not None]
         pol = [o["policy_ms_per_request"] for o in over_rows if o.get("policy_ms_per_request") is not None]

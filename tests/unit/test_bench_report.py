@@ -74,6 +74,12 @@ def test_serving_ratio_rows_come_from_the_same_run():
     res = stamp({"runs": runs, "ratios": ratio_table(runs), "overhead": [], "offline": [], "host": {}}, [])
     md = report.render_serving([("s.json", res)])
     assert "| snapkv | 160 | 512 | closed | 10.00 | 25.00 | 2.50 | 2 / 12 | 0 / 0 | 1.00 | 1.00 |" in md
+    assert "Eviction rounds" not in md  # no counters, no sentence
+    res["overhead"] = [{"overhead_pct_of_wall": 4.0, "ms_per_round": 40.0, "rounds_per_request": 5.0,
+                        "later_rounds": 32.0, "later_round_ms": 15.0, "later_round_pct_of_wall": 1.5}]
+    md = report.render_serving([("s.json", res)])
+    assert "5.0 per request, 40 ms each, 4.0 % of the run's wall time" in md
+    assert "already compacted (decode-time, after each request's first): 15 ms each, 1.5 % of the wall." in md
 
 
 def test_ruler_table_uses_the_summary_means():
