@@ -154,7 +154,7 @@ def evicting(model_dir):
                       ["greedy", "greedy_exact", "greedy_long", "greedy_evicted", "free_blocks", "concurrency",
                        "preempt_abort", "presets", "decode_bound", "budget_formula", "short_moments",
                        "context_boundary", "protocol", "spec_decode", "streaming_input", "prefix_stream",
-                       "shared_context"],
+                       "shared_context", "kvzip_reuse"],
                       greedy_extra_args={"kv_budget": 100000}, long_extra_args={"kv_budget": 1024},
                       free_cases=[[2000, {"kv_policy": "adakv"}], [2000, {"kv_policy": "streaming"}],
                                   [1000, {"kv_budget": 256}]],

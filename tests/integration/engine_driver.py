@@ -1194,6 +1194,56 @@ def run_kvzip(llm, spec, res):
         "tokens_counted": side.totals.reconstruction_tokens}
 
 
+def run_kvzip_reuse(llm, spec, res):
+    """KVzip with prefix caching off (no compressed context is shared): a request KA reconstructs its context,
+    then KB with the same prompt. The scores each round planned with, each request's kept positions and
+    tokens, the scheduler's counters around each."""
+    from vllm import SamplingParams
+
+    from vllm_contour.integration import worker_rounds
+    from vllm_contour.reconstruction import RepeatPrompt
+
+    tok = llm.get_tokenizer()
+    rp = RepeatPrompt.from_tokenizer(tok)
+    ctx = list(rp.prefix) + _text_prompts(tok, [500], 64)[0]
+    q = tok.encode(" Question: what did the people keep records of? Answer:", add_special_tokens=False)
+    side = _core(llm).scheduler.connector.scheduler_side
+    seen: dict = {}
+    real = worker_rounds.plan_round
+    kept: dict = {}
+
+    def watched(*a, **kw):
+        if kw.get("reconstruction") is not None:
+            seen.setdefault(len(seen), kw["reconstruction"].clone().tolist())
+        return real(*a, **kw)
+
+    def counters():
+        return {"reconstructions": side.totals.reconstructions, "reused": side.totals.reconstructions_reused,
+                "failures": dict(side.totals.failures)}
+
+    kz = {"kv_policy": "kvzip", "kv_budget": 128, "kv_context_len": len(ctx)}
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args=kz)
+    steps, outs = [counters()], {}
+    worker_rounds.plan_round = watched
+    try:
+        for rid in ("KA", "KB"):
+            llm.llm_engine.add_request(rid, {"prompt_token_ids": ctx + q}, sp)
+
+            def grab(rid=rid):
+                lay = _layout_of(rid)
+                if lay is not None and rid not in kept:
+                    kept[rid] = [[lay.kept_positions(layer, h).tolist() for h in range(lay.num_kv_heads)]
+                                 for layer in range(lay.num_layers)]
+
+            outs.update(_drain(llm, on_step=grab))
+            steps.append(counters())
+    finally:
+        worker_rounds.plan_round = real
+    res["kvzip_reuse"] = {"counters": steps, "scores": [seen[i] for i in sorted(seen)], "kept": kept,
+                          "tokens": outs, "free_end": _free(llm),
+                          "num_blocks": _core(llm).scheduler.kv_cache_manager.block_pool.num_gpu_blocks}
+
+
 def run_kvzip_stream(llm, spec, res):
     """KVzip over a streaming-input session (prefix caching on): a 500-token chunk, then a 200-token chunk
     appended, ``kvzip`` at 128, 8 tokens a turn. The reconstruction scores each round planned with (and the
@@ -1247,7 +1297,7 @@ SCENARIOS = {"compare": run_compare, "fault_paths": run_fault_paths, "fault_pref
              "hybrid": run_hybrid, "shared_context": run_shared_context, "greedy_none": run_greedy_none, "prefix_stream": run_prefix_stream, "streaming_input": run_streaming_input, "kvzip_stream": run_kvzip_stream, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
              "short_moments": run_short_moments, "faults": run_faults,
              "parallel": run_parallel, "greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,
-             "preempt_abort": run_preempt_abort, "kvzip": run_kvzip}
+             "preempt_abort": run_preempt_abort, "kvzip": run_kvzip, "kvzip_reuse": run_kvzip_reuse}
 
 
 def main(spec_path: str, out_path: str) -> None:

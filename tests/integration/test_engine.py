@@ -716,3 +716,20 @@ def test_kvzip_reconstructs_a_streaming_sessions_next_chunk(prefix_cached, model
     last = [h for h in ks["held"] if h is not None][-1]
     assert last <= _bound(128, 32), ks["held"]
     assert ks["hidden_refs"] and all(r == 0 for r in ks["hidden_refs"])
+
+
+def test_kvzip_scores_of_a_context_serve_a_later_request_without_a_reconstruction(evicting):
+    """Prefix caching off, so no compressed context is shared: a second request with the same context is
+    scored with the scores kept from the first request's reconstruction — no reconstruction runs for it
+    (vLLM's requests: no hidden request is added), its round plans with exactly the first's scores, keeps
+    exactly the first's positions and gives the same tokens; nothing fails and every block is back in the
+    pool."""
+    kr = evicting["kvzip_reuse"]
+    c0, ca, cb = kr["counters"]
+    assert ca["reconstructions"] == c0["reconstructions"] + 1 and ca["reused"] == c0["reused"]
+    assert cb["reconstructions"] == ca["reconstructions"] and cb["reused"] == ca["reused"] + 1, kr["counters"]
+    assert cb["failures"] == c0["failures"]
+    assert len(kr["scores"]) == 2 and kr["scores"][1] == kr["scores"][0]
+    assert kr["kept"]["KA"] == kr["kept"]["KB"]
+    assert kr["tokens"]["KA"] == kr["tokens"]["KB"] and len(kr["tokens"]["KA"]) == 8
+    assert kr["free_end"] == kr["num_blocks"] - 1

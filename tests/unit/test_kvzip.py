@@ -126,3 +126,75 @@ def test_hidden_requests_fit_max_model_len_or_the_reconstruction_is_refused_nami
     with pytest.raises(ValueError, match="max_model_len 2032"):
         tight.start(SimpleNamespace(request=owner, epoch=1), 2000)
     assert not tight.waiting and not tight.take_new()
+
+
+def _request(rid, ids, salt=None, lora=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(request_id=rid, all_token_ids=ids, client_index=0, lora_request=lora, cache_salt=salt,
+                           priority=0, _block_hasher=None)
+
+
+def test_kept_scores_are_found_by_the_context_and_bounded():
+    """A context's scores are kept under its tokens, cache salt and LoRA adapter: another request with the same
+    first C tokens finds them (whatever follows C), a different token, salt, adapter or C does not; past
+    ``KEPT_SCORES`` the least recently used key is named for the workers to drop; reset drops every key."""
+    from types import SimpleNamespace
+
+    from vllm_contour.integration.reconstruction import KEPT_SCORES, Reconstructions, context_key
+
+    ids = list(range(100, 400))
+    recon = Reconstructions(32, lambda: RP)
+    recon.start(SimpleNamespace(request=_request("a", ids), epoch=0), 256)
+    key = recon.waiting["a"].key
+    assert key == context_key(_request("x", ids), 256)
+    assert recon.kept_scores(SimpleNamespace(request=_request("b", ids[:256] + [7, 8])), 256) is None  # not yet
+    recon.keep_scores(key)
+    assert recon.kept_scores(SimpleNamespace(request=_request("b", ids[:256] + [7, 8])), 256) == key
+    for other in (_request("c", ids[:255] + [1] + ids[256:]), _request("d", ids, salt="t2"),
+                  _request("e", ids, lora=SimpleNamespace(lora_int_id=3))):
+        assert recon.kept_scores(SimpleNamespace(request=other), 256) is None
+    assert recon.kept_scores(SimpleNamespace(request=_request("f", ids)), 255) is None
+    # a streaming-input session's later chunk (start_at > 0) keeps nothing under a key
+    recon.start(SimpleNamespace(request=_request("s", ids), epoch=0), 300, start_at=256)
+    assert recon.waiting["s"].key is None
+    keys = [context_key(_request("k", [i] + ids), 256) for i in range(KEPT_SCORES)]
+    for k in keys[:-1]:
+        recon.keep_scores(k)
+    assert recon.take_dropped_scores() == []
+    recon.kept_scores(SimpleNamespace(request=_request("b", ids)), 256)  # the oldest key, used again: kept
+    recon.keep_scores(keys[-1])
+    assert recon.take_dropped_scores() == [keys[0]]  # the least recently used, not the first key
+    assert key in recon.scored and len(recon.scored) == KEPT_SCORES
+    recon.drop_all_scores()
+    assert sorted(recon.take_dropped_scores()) == sorted([key] + keys[1:]) and not recon.scored
+
+
+def test_the_worker_keeps_a_context_s_scores_and_gives_a_copy_to_a_later_request():
+    """``round_scores``: the owner's round with ``store`` keeps a copy under the key; a later request's round
+    gets its own copy (a later streaming chunk folds in place, never into the kept scores); a key the worker
+    does not hold is an error (that request is served densely)."""
+    import pytest
+    import torch
+
+    from vllm_contour.integration.state import RoundItem, ScoresRef, worker_state
+    from vllm_contour.integration.worker_reconstruction import round_scores
+
+    st = worker_state()
+    saved = st.reconstruction, st.scored
+    st.reconstruction, st.scored = {}, {}
+    try:
+        own = torch.rand(2, 3, 40)
+        st.reconstruction["a"] = (1, own)
+        item = lambda rid, ref: RoundItem(rid, [], 40, None, None, 1, scores=ref)  # noqa: E731
+        assert round_scores(item("a", ScoresRef("K", 1, store=True))) is own
+        assert torch.equal(st.scored["K"], own) and st.scored["K"] is not own
+        got = round_scores(item("b", ScoresRef("K", 5, store=False)))
+        assert torch.equal(got, own) and got is not st.scored["K"] and st.reconstruction["b"][0] == 5
+        got.zero_()
+        assert torch.equal(st.scored["K"], own)
+        with pytest.raises(ValueError, match="not on this worker"):
+            round_scores(item("c", ScoresRef("other", 0, store=False)))
+        assert round_scores(item("d", None)) is None
+    finally:
+        st.reconstruction, st.scored = saved

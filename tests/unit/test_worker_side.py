@@ -128,3 +128,29 @@ def test_rounds_due_together_move_together_and_a_failure_stays_with_its_request(
     assert isinstance(rep2["a"], Round)
     assert stats2.data["c:later_round_seconds"] == pytest.approx(stats2.data["c:policy_seconds"]
                                                                  + stats2.data["c:compact_seconds"])
+
+
+def test_kept_kvzip_scores_named_dropped_go_after_the_steps_rounds(side):
+    """The scheduler names kept context scores to drop (least recently used, or a prefix-cache reset); the
+    worker drops them after the step's rounds, which may still read them; the others stay."""
+    from vllm_contour.integration.faults import FaultSwitch
+    from vllm_contour.integration.metrics import ContourStats
+    from vllm_contour.integration.reports import ContourMetadata
+    from vllm_contour.integration.worker_rounds import WorkerRounds
+
+    ws, st = side
+    saved = st.scored
+    st.scored = {"old": torch.zeros(1), "new": torch.ones(1)}
+    try:
+        ws.rounds, ws._report, ws._stats, ws._stage_layers = WorkerRounds(FaultSwitch("")), {}, ContourStats(), None
+        ws.faults = FaultSwitch("")
+        tables, st.tables = st.tables, SimpleNamespace(set_keys=lambda keys, captures: [])
+        try:
+            ws.begin_step(ContourMetadata(scores_dropped=["old"]))
+        finally:
+            st.tables = tables
+        assert "old" in st.scored  # named this step: still there while the step's rounds run
+        ws.after_forward()
+        assert set(st.scored) == {"new"} and st.scores_dropped_now == []
+    finally:
+        st.scored = saved

@@ -38,6 +38,8 @@ COUNTERS = {
                        "repeat them",
     "reconstruction_tokens": "Tokens the reconstructions computed (their repeat tokens, and the context where it "
                              "was not a prefix-cache hit)",
+    "reconstructions_reused": "Rounds scored with the KVzip scores kept from an earlier request's reconstruction "
+                              "of the same context (no reconstruction ran for them)",
     "tokens_evicted": "Tokens evicted (summed over layers and KV heads, divided by layers x heads)",
 }
 LABELLED = {

@@ -15,11 +15,19 @@ owner leaves, its hidden requests are aborted. A streaming-input session's next 
 same way at its end, only the appended tokens repeated (their context, the session's tokens so far,
 uncompressed in the hidden request), and its round then covers the kept tokens (their earlier scores) and
 the new ones.
+
+The workers keep the scores of the last ``KEPT_SCORES`` contexts reconstructed (by the context's tokens, the
+request's cache salt and LoRA adapter: ``context_key``), so a later request with the same context is scored
+without a reconstruction even when no compressed copy of it is left in the pool (preempted, evicted from the
+prefix cache, or prefix caching off). ``reset_prefix_cache`` drops them too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -34,6 +42,16 @@ if TYPE_CHECKING:
 
 PREFIX = "contour-kvzip-"  # request ids of the hidden requests
 MIN_CHUNK = 32  # fewer context tokens a chunk than this (a context near max_model_len): no reconstruction
+KEPT_SCORES = 8  # contexts whose scores the workers keep for later requests ([L, H, C] fp32 each, per rank)
+
+
+def context_key(req: "Request", c: int) -> str:
+    """What a context's KVzip scores depend on: its first ``c`` tokens and the model (the request's LoRA
+    adapter); with its cache salt, as vLLM's prefix cache keys, so one tenant's scores never time another's."""
+    lora = req.lora_request.lora_int_id if req.lora_request is not None else 0
+    h = hashlib.sha256(f"{req.cache_salt or ''}|{lora}|{c}|".encode())
+    h.update(array("q", req.all_token_ids[:c]).tobytes())
+    return h.hexdigest()
 
 
 @dataclass
@@ -53,6 +71,7 @@ class Waiting:
 
     context_len: int
     epoch: int
+    key: str | None = None  # the context's key when the whole context is reconstructed (its scores are kept)
     companions: list[str] = field(default_factory=list)
     ready: bool = False  # every companion complete: the round may be dispatched
 
@@ -68,6 +87,8 @@ class Reconstructions:
         self._new: list["Request"] = []
         self._abort: list[str] = []
         self._n = 0
+        self.scored: OrderedDict[str, None] = OrderedDict()  # context keys whose scores the workers keep
+        self._drop_scores: list[str] = []
 
     @staticmethod
     def is_companion(req_id: str) -> bool:
@@ -89,7 +110,7 @@ class Reconstructions:
         req = t.request
         ids = list(req.all_token_ids[:c])  # a session's earlier turns' tokens are part of its context
         parts = chunks(ids, c, self._repeat, size=self.chunk_size(c), start_at=start_at)
-        w = self.waiting[req.request_id] = Waiting(c, t.epoch)
+        w = self.waiting[req.request_id] = Waiting(c, t.epoch, context_key(req, c) if start_at == 0 else None)
         for ch in parts:
             self._n += 1
             rid = f"{PREFIX}{self._n}-{req.request_id}"
@@ -103,6 +124,31 @@ class Reconstructions:
             self.companions[rid] = Companion(rid, req.request_id, ch.span, c, len(prompt), hidden)
             w.companions.append(rid)
         return len(w.companions)
+
+    def kept_scores(self, t: "Tracked", c: int) -> str | None:
+        """The key of ``t``'s context ``[0, C)`` when the workers keep its scores from an earlier request's
+        reconstruction (then the most recently used), else None."""
+        key = context_key(t.request, c)
+        if key not in self.scored:
+            return None
+        self.scored.move_to_end(key)
+        return key
+
+    def keep_scores(self, key: str) -> None:
+        """A round that keeps its context's scores under ``key`` is dispatched; the least recently used past
+        ``KEPT_SCORES`` go (the workers drop them after the step's rounds)."""
+        self.scored[key] = None
+        self.scored.move_to_end(key)
+        while len(self.scored) > KEPT_SCORES:
+            self._drop_scores.append(self.scored.popitem(last=False)[0])
+
+    def drop_all_scores(self) -> None:
+        self._drop_scores += list(self.scored)
+        self.scored.clear()
+
+    def take_dropped_scores(self) -> list[str]:
+        out, self._drop_scores = self._drop_scores, []
+        return out
 
     def chunk_size(self, c: int) -> int:
         """KVzip's chunk, or fewer tokens when a hidden request (the context ``C`` + a chunk's repeat ids + one

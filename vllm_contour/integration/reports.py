@@ -34,6 +34,7 @@ class ContourMetadata(KVConnectorMetadata):
     adopt: dict[str, int] = field(default_factory=dict)  # req -> shared compressed context it starts with
     shared_dropped: list[int] = field(default_factory=list)  # shared contexts the workers forget
     recon: list[ReconItem] = field(default_factory=list)  # repeat tokens of hidden reconstruction requests
+    scores_dropped: list[str] = field(default_factory=list)  # context keys whose kept KVzip scores go
 
 
 @dataclass(frozen=True)

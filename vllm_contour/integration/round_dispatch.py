@@ -13,7 +13,7 @@ from vllm_contour.integration.reconstruction import Reconstructions
 from vllm_contour.integration.request_blocks import RequestBlocks
 from vllm_contour.integration.scheduler_events import SchedulerEvents
 from vllm_contour.integration.scheduler_records import Tracked
-from vllm_contour.integration.state import CaptureItem, RoundItem
+from vllm_contour.integration.state import CaptureItem, RoundItem, ScoresRef
 
 
 class RoundDispatch:
@@ -44,8 +44,13 @@ class RoundDispatch:
         if not round_clock.round_due(clock, done, req.num_tokens) or t.pending is not None:
             return
         if t.reconstructs:  # scored by the context's reconstruction: it runs first (for a compacted
-            # streaming-input session, over the tokens appended since its last round)
-            self._reconstruct(t, done, t.region_blocks * bs if t.compacted else 0)
+            # streaming-input session, over the tokens appended since its last round), unless the workers keep
+            # the scores of an earlier request's reconstruction of the same context
+            key = None if t.compacted else self.recon.kept_scores(t, done)
+            if key is None:
+                self._reconstruct(t, done, t.region_blocks * bs if t.compacted else 0)
+            elif self.dispatch(t, done, rounds, ScoresRef(key, t.epoch, store=False)):
+                self.events.event("reconstructions_reused")
             return
         self.dispatch(t, done, rounds)
 
@@ -63,9 +68,10 @@ class RoundDispatch:
             self.events.fail(t.request.request_id, "reconstruction", err)
             t.params = None
 
-    def dispatch(self, t: Tracked, done: int, rounds: list[RoundItem]) -> bool:
+    def dispatch(self, t: Tracked, done: int, rounds: list[RoundItem], scores: ScoresRef | None = None) -> bool:
         """The request's round over its first ``done`` tokens, with private blocks when some of its blocks
-        are shared; False when the pool has no room for them now (tried again at a later step)."""
+        are shared (and, for kvzip, the context scores it keeps or takes); False when the pool has no room
+        for them now (tried again at a later step)."""
         req = t.request
         blocks = self.blocks.of(req.request_id)
         clock = t.clock(self.blocks.block_size)
@@ -88,7 +94,8 @@ class RoundDispatch:
             t.prefill_tried = True
         rounds.append(RoundItem(req_id=req.request_id, block_ids=[b.block_id for b in blocks], num_tokens=done,
                                 params=t.params, budget=t.budget, seq=t.seq,
-                                fresh_ids=None if fresh is None else [b.block_id for b in fresh], publish=publish))
+                                fresh_ids=None if fresh is None else [b.block_id for b in fresh], publish=publish,
+                                scores=scores))
         return True
 
     def _plan_publish(self, t: Tracked, blocks, c: int):

@@ -127,6 +127,7 @@ class SchedulerTotals:
     shared_hits: int = 0  # requests that adopted a shared compressed context
     reconstructions: int = 0  # contexts reconstructed (KVzip), each by one or more hidden requests
     reconstruction_tokens: int = 0  # tokens those hidden requests computed
+    reconstructions_reused: int = 0  # rounds scored with an earlier request's reconstruction of the same context
     stale_reports: int = 0
     failures: dict[str, int] = field(default_factory=dict)
     last: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # req -> (K, E, freed) of its last round

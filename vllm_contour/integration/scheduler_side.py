@@ -46,7 +46,7 @@ from vllm_contour.integration.round_outcomes import RoundOutcomes
 from vllm_contour.integration.scheduler_events import SchedulerEvents
 from vllm_contour.integration.scheduler_records import Tracked
 from vllm_contour.integration.shared_contexts import SharedContexts
-from vllm_contour.integration.state import CaptureItem, ReconItem, RoundItem
+from vllm_contour.integration.state import CaptureItem, ReconItem, RoundItem, ScoresRef
 from vllm_contour.policies import build_policy
 
 if TYPE_CHECKING:
@@ -119,8 +119,9 @@ class SchedulerSide:
         self.shared.end_schedule()
 
     def reset_shared(self) -> None:
-        """vLLM's ``reset_prefix_cache``: compressed contexts go too."""
+        """vLLM's ``reset_prefix_cache``: compressed contexts and kept KVzip scores go too."""
         self.shared.drop_all()
+        self.recon.drop_all_scores()
 
     # ------------------------------------------------------------------ request life
     def on_alloc(self, request: "Request") -> None:
@@ -281,7 +282,8 @@ class SchedulerSide:
             for name, value in self.shared.gauges().items():
                 self.events.stats.gauge(name, value)
         return ContourMetadata(rounds=rounds, capture=captures, dropped=dropped, keys=keys, adopt=adopt,
-                               shared_dropped=self.shared.take_dropped(), recon=recon)
+                               shared_dropped=self.shared.take_dropped(), recon=recon,
+                               scores_dropped=self.recon.take_dropped_scores())
 
     def _reconstruction_step(self, scheduler_output, keys, captures, rounds) -> list[ReconItem]:
         """The step's hidden reconstruction requests (their repeat tokens captured), and the rounds of the
@@ -301,8 +303,14 @@ class SchedulerSide:
         for owner in self.recon.ready():
             t = self.tracked.get(owner)
             try:
-                if t is None or t.params is None or self.dispatch.dispatch(t, self.recon.waiting[owner].context_len,
-                                                                           rounds):
+                w = self.recon.waiting[owner]
+                if t is None or t.params is None:
+                    self.recon.done(owner)
+                    continue
+                keep = ScoresRef(w.key, t.epoch, store=True) if w.key is not None else None
+                if self.dispatch.dispatch(t, w.context_len, rounds, keep):
+                    if keep is not None:
+                        self.recon.keep_scores(keep.key)
                     self.recon.done(owner)
             except Exception as e:
                 self._stop_reconstruction(owner, e)

@@ -27,6 +27,17 @@ from vllm_contour.layout import RequestLayout
 from vllm_contour.page_tables import CaptureWindows, PageTables, StepRows
 
 
+@dataclass(frozen=True)
+class ScoresRef:
+    """A kvzip round's context scores by the context's key (``reconstruction.context_key``): ``store`` — the
+    owner's own reconstruction made them, the workers keep a copy under the key; else the owner takes a copy
+    of those kept from an earlier request with the same context (no reconstruction ran for it)."""
+
+    key: str
+    epoch: int  # the owner's
+    store: bool
+
+
 @dataclass
 class RoundItem:
     """Scheduler -> worker: run an eviction round for this request after the current step's forward."""
@@ -43,6 +54,7 @@ class RoundItem:
     # a context round whose result is shared: (entry id, partial block, its snapshot block); the worker
     # copies the partial block into the snapshot after the round and keeps the layout under the entry id
     publish: tuple[int, int | None, int | None] | None = None
+    scores: ScoresRef | None = None  # a kvzip round's context scores, kept or taken by the context's key
 
 
 @dataclass
@@ -140,6 +152,10 @@ class WorkerState:
         self.recon_now: dict[str, ReconItem] = {}  # this step's hidden reconstruction requests, by request
         # owner -> (epoch, [L, H, C] KVzip scores of its context), while it runs (its later rounds read them)
         self.reconstruction: dict[str, tuple[int, torch.Tensor]] = {}
+        # context key -> [L, H, C] KVzip scores kept for later requests with the same context (the scheduler
+        # bounds them and names those to drop)
+        self.scored: dict[str, torch.Tensor] = {}
+        self.scores_dropped_now: list[str] = []  # this step's keys to drop (after its rounds)
         self.layer_index: dict[str, int] = {}
         # queries staged by the impl during this step's forward: layer -> [total, Hq, D]
         self.staged: dict[int, torch.Tensor] = {}
@@ -177,7 +193,8 @@ class WorkerState:
 
     def query_buffer_bytes(self) -> int:
         rings = sum(rs.ring.nbytes for rs in self.requests.values() if rs.ring is not None)
-        return rings + sum(s.numel() * s.element_size() for _, s in self.reconstruction.values())
+        held = sum(s.numel() * s.element_size() for _, s in self.reconstruction.values())
+        return rings + held + sum(s.numel() * s.element_size() for s in self.scored.values())
 
 
 _STATE = WorkerState()

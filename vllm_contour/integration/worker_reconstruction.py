@@ -2,13 +2,14 @@
 request's captured repeat queries of the step and its keys (read from vLLM's cache: every layer's KV of
 the step is written) give KVzip's max attention over its owner's context keys, folded (max) into the
 owner's ``[L, H, C]`` scores, which the owner's rounds read (``WorkerState.reconstruction``, kept while the
-owner runs: a streaming-input session's later round needs its kept tokens' scores too)."""
+owner runs: a streaming-input session's later round needs its kept tokens' scores too); ``round_scores`` keeps
+a copy under the context's key for later requests with the same context, or gives such a request that copy."""
 
 from __future__ import annotations
 
 import torch
 
-from vllm_contour.integration.state import ReconItem, worker_state
+from vllm_contour.integration.state import ReconItem, RoundItem, worker_state
 from vllm_contour.ops.paged import dims, gather_pages
 from vllm_contour.policies.scorers.kvzip import reconstruction_max
 
@@ -40,3 +41,22 @@ def fold(item: ReconItem, positions: torch.Tensor, queries: torch.Tensor,
                                  item.repeat_start, scale, sinks=SINKS)
         seg = scores[layer, :, s:e]
         torch.maximum(seg, got, out=seg)
+
+
+def round_scores(item: RoundItem) -> torch.Tensor | None:
+    """The ``[L, H, C]`` scores a kvzip round plans with: the owner's own (a copy kept under the context's key
+    when the round says so), or a copy of those kept from an earlier request with the same context. Copies:
+    a later streaming-input chunk folds into its owner's scores in place."""
+    st = worker_state()
+    ref = item.scores
+    held = st.reconstruction.get(item.req_id)
+    if ref is not None and not ref.store and (held is None or held[0] != ref.epoch):
+        kept = st.scored.get(ref.key)
+        if kept is None:
+            raise ValueError("the context's kept KVzip scores are not on this worker")
+        held = st.reconstruction[item.req_id] = (ref.epoch, kept.clone())
+    if held is None:
+        return None
+    if ref is not None and ref.store:
+        st.scored[ref.key] = held[1].clone()
+    return held[1]

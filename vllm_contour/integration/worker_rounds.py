@@ -20,6 +20,7 @@ from vllm_contour.evictor import FaultInjected, RoundPlan, apply_rounds, clear_m
 from vllm_contour.integration.faults import FaultSwitch
 from vllm_contour.integration.metrics import ContourStats
 from vllm_contour.integration.reports import Noop, Outcome, PlanFailed, Recompute, Round
+from vllm_contour.integration.worker_reconstruction import round_scores
 from vllm_contour.integration.state import RoundItem, worker_state
 from vllm_contour.policies import build_policy
 
@@ -92,11 +93,10 @@ class WorkerRounds:
                 raise FaultInjected("fault switch: plan failed")
             queries, qpos = rs.ring.layer_queries() if rs.ring is not None else (None, None)
             policy = self._policy(item.params)
-            recon = worker_state().reconstruction.get(item.req_id) if policy.needs_reconstruction else None
+            recon = round_scores(item) if policy.needs_reconstruction else None
             plan = plan_round(views, item.block_ids, item.num_tokens, item.params, item.budget, scale,
                               prev=rs.layout, queries=queries, query_positions=qpos, policy=policy,
-                              fresh_ids=item.fresh_ids, layers=layers,
-                              reconstruction=None if recon is None else recon[1])
+                              fresh_ids=item.fresh_ids, layers=layers, reconstruction=recon)
         except Exception as e:
             report[item.req_id] = PlanFailed(item.seq, f"{type(e).__name__}: {e}")
             return None

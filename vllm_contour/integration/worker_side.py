@@ -146,6 +146,7 @@ class WorkerSide:
                 self._clear_unread(st.shared.pop(eid, None), f"shared context {eid}")
             st.rounds_now = {it.req_id: it for it in md.rounds}
             st.recon_now = {it.req_id: it for it in md.recon}
+            st.scores_dropped_now = list(md.scores_dropped)
             st.captures = {c.req_id: c for c in md.capture if c.req_id in md.keys}
             for c in st.captures.values():
                 if c.req_id in st.recon_now:  # folded into its owner's scores after the forward
@@ -183,7 +184,9 @@ class WorkerSide:
             logger.warning("kv_eviction: could not store captured queries (%s)", e)
         self.rounds.run(list(st.rounds_now.values()), self._views, self._layer_scale() if st.rounds_now else 0.0,
                         self._stage_layers, self._report, self._stats)
-        st.rounds_now, st.captures, st.step_reqs, st.recon_now = {}, {}, [], {}
+        for key in st.scores_dropped_now:  # after the rounds: one of them may have read or kept them
+            st.scored.pop(key, None)
+        st.rounds_now, st.captures, st.step_reqs, st.recon_now, st.scores_dropped_now = {}, {}, [], {}, []
         st.staged, st.step = {}, None
         self._stats.gauge("query_buffer_bytes", st.query_buffer_bytes())
 
