@@ -286,11 +286,11 @@ def table(record: dict) -> str:
                      r["ttft_rest_over_first"], r.get("cached_tokens_rest_mean"), f"{r['right']}/{n}",
                      r["output_tok_s"], ratio,
                      r["peak_running"], r["mean_running"], r["preemptions"], r["mean_kv_tokens"],
-                     r.get("reconstruction_tokens")])
+                     r.get("reconstructions"), r.get("reconstruction_tokens")])
     return md_table(["config", "pool", "TTFT 1st s", f"TTFT 2-{n} s", "ratio", f"cached 2-{n}", "right",
                      "out tok/s",
                      "x stock_pc", "peak running", "mean running", "preemptions", "mean KV/head",
-                     "reconstructed tokens"], rows)
+                     "reconstructions", "reconstructed tokens"], rows)
 
 
 if __name__ == "__main__":

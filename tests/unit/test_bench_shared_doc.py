@@ -56,3 +56,17 @@ def test_the_passkey_filler_keeps_every_fact_and_asks_for_each():
     assert abs(len(doc) - 600) <= 4 and "The grass is green." in text
     for r, c, q in zip(rooms, codes, questions):
         assert f"The pass key of the {r} room is {c}." in text and r in tok.decode(q)
+
+
+def test_the_table_counts_each_configurations_reconstructions():
+    from benchmarks.shared_doc import table
+
+    run = {"ttft_first_s": 8.0, "ttft_rest_mean_s": 0.1, "ttft_rest_over_first": 0.01, "cached_tokens_rest_mean": 2000,
+           "right": 7, "output_tok_s": 100.0, "peak_running": 16, "mean_running": 10.0, "preemptions": 6,
+           "mean_kv_tokens": 228.0}
+    record = {"codes": [1] * 16, "args": {"pool": 128},
+              "runs": [dict(run, name="stock_pc", output_tok_s=50.0),
+                       dict(run, name="evict_pc:kvzip", reconstructions=1.0, reconstruction_tokens=2288.0)]}
+    md = table(record)
+    assert "| reconstructions | reconstructed tokens |" in md
+    assert "| evict_pc:kvzip | 128 | 8.00 | 0.10 | 0.01 | 2000 | 7/16 | 100.00 | 2.00 | 16 | 10.00 | 6 | 228.00 | 1.00 | 2288.00 |" in md
