@@ -59,8 +59,8 @@ HISTOGRAMS = {
                       [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]),
 }
 GAUGES = {
-    "query_buffer_bytes": "Bytes of captured window queries (and KVzip scores awaiting their round) held by the "
-                          "worker (outside vLLM's pool)",
+    "query_buffer_bytes": "Bytes of captured window queries and KVzip scores (awaiting their round, or kept for "
+                          "later requests with the same context) held by the worker (outside vLLM's pool)",
     "query_buffer_bound_bytes": "Most bytes the window-query buffers can take (max running requests x one "
                                 "request's buffer), counted at start-up",
     "shared_context_entries": "Shared compressed contexts in the cache",
