@@ -2,8 +2,9 @@
 queries to capture for its next round, and, when that round is due, the round for the workers with the
 private blocks it packs into when some of its blocks are shared (prefix caching) and the shared compressed
 context it publishes; for a policy that scores with the context's reconstruction (KVzip), the
-reconstruction first (``reconstruction.py``), the round when it completes. The clock itself is
-``round_clock.py``; the record it changes ``scheduler_records.py``."""
+reconstruction first (``reconstruction.py``; the step's hidden requests, ``reconstruction_step``), the round
+when it completes, or at once with the scores the workers keep from an earlier request with the same context.
+The clock itself is ``round_clock.py``; the record it changes ``scheduler_records.py``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from vllm_contour.integration.reconstruction import Reconstructions
 from vllm_contour.integration.request_blocks import RequestBlocks
 from vllm_contour.integration.scheduler_events import SchedulerEvents
 from vllm_contour.integration.scheduler_records import Tracked
-from vllm_contour.integration.state import CaptureItem, RoundItem, ScoresRef
+from vllm_contour.integration.state import CaptureItem, ReconItem, RoundItem, ScoresRef
 
 
 class RoundDispatch:
@@ -60,6 +61,44 @@ class RoundDispatch:
             self.events.event("reconstructions")
         except Exception as e:  # never into vLLM: the request goes on without eviction
             self.stop_reconstruction(t, e)
+
+    def reconstruction_step(self, scheduler_output, tracked: dict[str, Tracked], keys: dict,
+                            captures: list[CaptureItem], rounds: list[RoundItem]) -> list[ReconItem]:
+        """The step's hidden reconstruction requests (their repeat tokens captured), and the rounds of the
+        owners whose reconstruction completes with this step (each keeping its context's scores)."""
+        items: list[ReconItem] = []
+        if not self.recon.waiting:
+            return items
+        try:
+            sched = {r: n for r, n in scheduler_output.num_scheduled_tokens.items() if self.recon.is_companion(r)}
+            n = self.recon.step(sched, self.blocks, keys, captures, items)
+            if n:
+                self.events.event("reconstruction_tokens", n)
+        except Exception as e:  # never into vLLM: the owners go on without eviction
+            for owner in list(self.recon.waiting):
+                self._stop_owner(tracked.get(owner), owner, e)
+            return []
+        for owner in self.recon.ready():
+            t = tracked.get(owner)
+            try:
+                w = self.recon.waiting[owner]
+                if t is None or t.params is None:
+                    self.recon.done(owner)
+                    continue
+                keep = ScoresRef(w.key, t.epoch, store=True) if w.key is not None else None
+                if self.dispatch(t, w.context_len, rounds, keep):
+                    if keep is not None:
+                        self.recon.keep_scores(keep.key)
+                    self.recon.done(owner)
+            except Exception as e:
+                self._stop_owner(t, owner, e)
+        return items
+
+    def _stop_owner(self, t: Tracked | None, owner: str, err) -> None:
+        if t is None:
+            self.recon.owner_gone(owner)
+        else:
+            self.stop_reconstruction(t, err)
 
     def stop_reconstruction(self, t: Tracked, err) -> None:
         """The request's reconstruction cannot complete: its hidden requests go, it is served densely."""

@@ -46,7 +46,7 @@ from vllm_contour.integration.round_outcomes import RoundOutcomes
 from vllm_contour.integration.scheduler_events import SchedulerEvents
 from vllm_contour.integration.scheduler_records import Tracked
 from vllm_contour.integration.shared_contexts import SharedContexts
-from vllm_contour.integration.state import CaptureItem, ReconItem, RoundItem, ScoresRef
+from vllm_contour.integration.state import CaptureItem, RoundItem
 from vllm_contour.policies import build_policy
 
 if TYPE_CHECKING:
@@ -276,7 +276,7 @@ class SchedulerSide:
             except Exception as e:
                 self.events.fail(req_id, "metadata", e)
                 t.params = None
-        recon = self._reconstruction_step(scheduler_output, keys, captures, rounds)
+        recon = self.dispatch.reconstruction_step(scheduler_output, self.tracked, keys, captures, rounds)
         adopt = self.contexts.take_adoptions(keys, self.tracked)
         if self.blocks.caching:
             for name, value in self.shared.gauges().items():
@@ -284,44 +284,6 @@ class SchedulerSide:
         return ContourMetadata(rounds=rounds, capture=captures, dropped=dropped, keys=keys, adopt=adopt,
                                shared_dropped=self.shared.take_dropped(), recon=recon,
                                scores_dropped=self.recon.take_dropped_scores())
-
-    def _reconstruction_step(self, scheduler_output, keys, captures, rounds) -> list[ReconItem]:
-        """The step's hidden reconstruction requests (their repeat tokens captured), and the rounds of the
-        owners whose reconstruction completes with this step."""
-        items: list[ReconItem] = []
-        if not self.recon.waiting:
-            return items
-        try:
-            sched = {r: n for r, n in scheduler_output.num_scheduled_tokens.items() if self.recon.is_companion(r)}
-            n = self.recon.step(sched, self.blocks, keys, captures, items)
-            if n:
-                self.events.event("reconstruction_tokens", n)
-        except Exception as e:  # never into vLLM: the owners go on without eviction
-            for owner in list(self.recon.waiting):
-                self._stop_reconstruction(owner, e)
-            return []
-        for owner in self.recon.ready():
-            t = self.tracked.get(owner)
-            try:
-                w = self.recon.waiting[owner]
-                if t is None or t.params is None:
-                    self.recon.done(owner)
-                    continue
-                keep = ScoresRef(w.key, t.epoch, store=True) if w.key is not None else None
-                if self.dispatch.dispatch(t, w.context_len, rounds, keep):
-                    if keep is not None:
-                        self.recon.keep_scores(keep.key)
-                    self.recon.done(owner)
-            except Exception as e:
-                self._stop_reconstruction(owner, e)
-        return items
-
-    def _stop_reconstruction(self, owner: str, err) -> None:
-        t = self.tracked.get(owner)
-        if t is None:
-            self.recon.owner_gone(owner)
-        else:
-            self.dispatch.stop_reconstruction(t, err)
 
     def apply(self, report: ContourReport) -> None:
         """The workers' outcomes of this step's rounds (``round_outcomes.py``)."""
