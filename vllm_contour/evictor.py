@@ -121,7 +121,7 @@ def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, quer
         raise PlanError(f"policy {policy.name} needs window queries; some layers have none")
     q_all = None if not queries else torch.cat([queries[layer] for layer in range(num_layers)])
     if prev is None:
-        inp, src_tables, cand_pos = _first_round_inputs(caches, blocks, num_tokens, e_new, block_ids, h, scale,
+        inp, src_tables, cand = _first_round_inputs(caches, blocks, num_tokens, e_new, block_ids, h, scale,
                                                         q_all, query_positions, window_end, layers,
                                                         policy.needs_values)
         if policy.needs_reconstruction:
@@ -130,7 +130,7 @@ def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, quer
                                 f"layers x {h} heads x {inp.region_len} tokens")
             inp.reconstruction = reconstruction.reshape(num_layers * h, -1)
     else:
-        inp, src_tables, cand_pos = _round_inputs(caches, blocks, num_tokens, prev, e_new, scale, q_all,
+        inp, src_tables, cand = _round_inputs(caches, blocks, num_tokens, prev, e_new, scale, q_all,
                                                   query_positions, policy.accumulates, layers, policy.needs_values)
         if policy.needs_reconstruction:  # each row's kept tokens and new tail by their original positions
             if reconstruction.shape[:2] != (num_layers, h) or reconstruction.shape[2] < e_new * bs:
@@ -142,10 +142,14 @@ def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, quer
     sels = policy.plan_rows(inp, [budget.token_pages] * num_layers, h)
     kept_all = [sel.kept for sel in sels]
     pages = torch.tensor([[k.numel() // bs for k in sel.kept] for sel in sels], dtype=torch.int64)
-    n_cand = torch.tensor([[p.numel() for p in row] for row in cand_pos], dtype=torch.int64)
+    cand_pos, n_cand = cand  # [L * H, width] candidates' positions (a row's first n_cand[l, h]), [L, H]
     evicted_n = n_cand - pages * bs
-    kept_pos = [[cand_pos[layer][hh][k] for hh, k in enumerate(sel.kept)] for layer, sel in enumerate(sels)]
-    kept_scores = [sel.scores if policy.accumulates else None for sel in sels]
+    kept_flat = [k for sel in kept_all for k in sel]  # rows l * H + h
+    counts = torch.tensor([k.numel() for k in kept_flat], dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(num_layers * h), counts)
+    slot = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    col = torch.cat(kept_flat) if kept_flat else torch.empty(0, dtype=torch.int64)
+    n_cand_rows = n_cand.reshape(-1).tolist()
     evicted_sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = []
     for layer, sel in enumerate(sels):
         if not budget.moment_pages:
@@ -154,7 +158,7 @@ def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, quer
         src = src_tables[layer]
         ev_p, ev_o, ev_h = [], [], []
         for hh, k in enumerate(sel.kept):
-            mask = torch.ones(int(n_cand[layer, hh]), dtype=torch.bool)
+            mask = torch.ones(n_cand_rows[layer * h + hh], dtype=torch.bool)
             mask[k] = False
             j = mask.nonzero().squeeze(1)
             ev_p.append(src[hh, j // bs])
@@ -168,14 +172,16 @@ def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, quer
         n_fresh = min(len(fresh_ids), len(targets))
         dest_ids, dest_slots = [int(b) for b in fresh_ids[:n_fresh]], targets[:n_fresh]
     max_tok = max(1, int(pages.max())) * bs
-    positions = torch.full((num_layers, h, max_tok), -1, dtype=torch.int64)
-    carry = torch.zeros((num_layers, h, max_tok)) if policy.accumulates else None
-    for layer in range(num_layers):
-        for hh in range(h):
-            n = kept_pos[layer][hh].numel()
-            positions[layer, hh, :n] = kept_pos[layer][hh]
-            if carry is not None and kept_scores[layer] is not None:
-                carry[layer, hh, :n] = kept_scores[layer][hh].to(torch.float32).nan_to_num(0.0, 0.0, 0.0)
+    positions = torch.full((num_layers * h, max_tok), -1, dtype=torch.int64)
+    positions[rows, slot] = cand_pos[rows, col]  # every row's kept positions, in its kept order
+    positions = positions.view(num_layers, h, max_tok)
+    carry = None
+    if policy.accumulates and all(sel.scores is not None for sel in sels):
+        carry = torch.zeros((num_layers * h, max_tok))
+        carry[rows, slot] = torch.cat([x for sel in sels for x in sel.scores]).to(torch.float32).nan_to_num(0.0, 0.0, 0.0)
+        carry = carry.view(num_layers, h, max_tok)
+    elif policy.accumulates:
+        carry = torch.zeros((num_layers, h, max_tok))
     try:
         layout = plan_layout(pages, dest_ids, bs, h, e_new, moment_pages=budget.moment_pages,
                              block_slots=dest_slots, positions=positions)
@@ -222,8 +228,8 @@ def _first_round_inputs(caches, blocks, num_tokens, e_new, block_ids, h, scale, 
                       num_layers=layers[1], scale=scale, queries=q_all, query_positions=query_positions,
                       window_end=window_end)
     src = region_source_table(block_ids[:e_new], h)
-    pos = torch.arange(e_new * bs)
-    return inp, [src] * num_layers, [[pos] * h for _ in range(num_layers)]
+    pos = torch.arange(e_new * bs).expand(num_layers * h, -1)
+    return inp, [src] * num_layers, (pos, torch.full((num_layers, h), e_new * bs, dtype=torch.int64))
 
 
 def _round_inputs(caches, blocks, num_tokens, prev: RequestLayout, e_new, scale, q_all, query_positions,
@@ -273,8 +279,7 @@ def _round_inputs(caches, blocks, num_tokens, prev: RequestLayout, e_new, scale,
                       num_layers=layers[1], scale=scale, queries=q_all, query_positions=query_positions,
                       positions=pos.reshape(num_layers * h, -1), prior=prior,
                       head_pages=(p + n_tail).reshape(-1), valid=valid.reshape(num_layers * h, -1))
-    cand_pos = [[pos[layer, hh, : int(n_cand[layer, hh])] for hh in range(h)] for layer in range(num_layers)]
-    return inp, [src[layer] for layer in range(num_layers)], cand_pos
+    return inp, [src[layer] for layer in range(num_layers)], (pos.reshape(num_layers * h, -1), n_cand)
 
 
 class FaultInjected(RuntimeError):

@@ -741,3 +741,37 @@ def test_a_policy_that_declares_no_use_of_values_selects_the_same_without_them(n
         return
     assert [k.tolist() for s in pol.plan_rows(blind, [4 * h] * layers, h) for k in s.kept] == \
         [k.tolist() for s in full for k in s.kept]
+
+
+@pytest.mark.parametrize("name", ["adakv", "contour", "snapkv", "pyramidkv"])
+def test_several_layers_at_once_equal_each_layer_alone(name):
+    """``plan_rows`` takes every layer's floor, allocation and selection at once; each layer gives what it gives
+    planned alone. The layers differ in their heads' candidates (a decode-time round's kept runs), so their
+    floors differ (layer 0's heads hold one page, below the two the others' sinks and recent window need)."""
+    g = torch.Generator().manual_seed(3)
+    h, layers, bs, d, hq, w = 2, 3, 8, 8, 4, 6
+    caps = torch.tensor([1, 1, 6, 2, 4, 5])  # candidate pages per row l * H + h
+    width = int(caps.max()) * bs
+    pos = torch.zeros(layers * h, width, dtype=torch.int64)
+    for r, c in enumerate(caps.tolist()):  # the sinks, kept tokens, then up to 14 of the 16 recent ones
+        n = c * bs
+        recent = torch.arange(64 - min(14, n - 2), 64)
+        mid = torch.sort(2 + torch.randperm(46, generator=g)[: n - 2 - recent.numel()]).values
+        pos[r, :n] = torch.cat([torch.tensor([0, 1]), mid, recent])
+    valid = torch.arange(width).view(1, -1) < (caps * bs).view(-1, 1)
+    inp = LayerInputs(keys=torch.randn(layers * h, width, d, generator=g),
+                      values=torch.randn(layers * h, width, d, generator=g), region_len=width, page_size=bs,
+                      layer_idx=0, num_layers=layers, scale=d ** -0.5,
+                      queries=torch.randn(layers * hq, w, d, generator=g), query_positions=torch.arange(58, 64),
+                      positions=pos, head_pages=caps, valid=valid)
+    pol = build_policy(name, sink_tokens=2, recent_window=12)  # 14 forced tokens: two pages where they fit
+    totals = [2, 4, 4]
+    together = [k.tolist() for s in pol.plan_rows(inp, totals, h) for k in s.kept]
+    alone = []
+    for layer in range(layers):
+        rows = slice(layer * h, (layer + 1) * h)
+        one = dataclasses.replace(inp, keys=inp.keys[rows], values=inp.values[rows], positions=pos[rows],
+                                  head_pages=caps[rows], valid=valid[rows], layer_idx=layer,
+                                  queries=inp.queries[layer * hq:(layer + 1) * hq])
+        alone += [k.tolist() for k in pol.plan_rows(one, [totals[layer]], h)[0].kept]
+    assert together == alone

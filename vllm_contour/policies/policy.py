@@ -73,12 +73,18 @@ class Policy:
 
     def floor_pages(self, inp: LayerInputs) -> int:
         """Pages every head needs to hold its forced tokens (at least one)."""
-        return self._floor(self.forced_mask(inp), inp)
+        return self._floors(self.forced_mask(inp), inp, 1)[0]
 
     @staticmethod
-    def _floor(forced: torch.Tensor, inp: LayerInputs) -> int:
-        n = int(forced.sum(dim=1).max()) if forced.numel() else 0
-        return min(int(inp.head_caps().max()) if inp.num_kv_heads else 0, max(1, math.ceil(n / inp.page_size)))
+    def _floors(forced: torch.Tensor, inp: LayerInputs, n_layers: int) -> list[int]:
+        """Each layer's floor (rows ``[l * H, (l + 1) * H)``): the pages its most-forced head needs, at least
+        one, at most its widest head's candidates."""
+        if not inp.num_kv_heads:
+            return [0] * n_layers
+        h = inp.num_kv_heads // n_layers
+        need = forced.sum(dim=1).view(n_layers, h).amax(dim=1).tolist() if forced.numel() else [0] * n_layers
+        caps = inp.head_caps().view(n_layers, h).amax(dim=1).tolist()
+        return [min(c, max(1, math.ceil(n / inp.page_size))) for n, c in zip(need, caps)]
 
     def layer_total_pages(self, base_total: int, inp: LayerInputs, floor: int | None = None) -> int:
         """The layer's page budget; allocators with a layer schedule (PyramidKV) override it. A schedule
@@ -115,13 +121,9 @@ class Policy:
         if inp.region_len == 0:
             return [Selection([torch.empty(0, dtype=torch.int64) for _ in range(h)]) for _ in range(n_layers)]
         forced = self.forced_mask(inp)
-        views, floors, layer_totals = [], [], []
-        for layer in range(n_layers):
-            view = _layer_view(inp, layer, h)
-            floor = self._floor(forced[layer * h:(layer + 1) * h], view)
-            views.append(view)
-            floors.append(floor)
-            layer_totals.append(self.layer_total_pages(totals[layer], view, floor))
+        floors = self._floors(forced, inp, n_layers)
+        views = [_layer_view(inp, layer, h) for layer in range(n_layers)]
+        layer_totals = [self.layer_total_pages(totals[layer], view, floors[layer]) for layer, view in enumerate(views)]
         share = torch.tensor([t // h for t in layer_totals], dtype=torch.int64).repeat_interleave(h)
         inp = dataclasses.replace(inp, budget_pages=share)
         scores = self._score(self.scorer, inp)
