@@ -201,3 +201,22 @@ def test_passkey_block_tables_what_each_configuration_held_and_its_time_per_tria
     plain = _write(tmp_path, "p0.json", _passkey())
     assert "KV tokens per head held" not in report.regenerate(
         f"<!-- results:passkey {plain} -->\n<!-- /results:passkey -->\n", tmp_path)[0]
+
+
+def test_stamp_makes_this_machines_paths_portable():
+    """Committed results name no path of the machine that made them: a bundled model's cache directory becomes
+    its name, the repository root and the environment's bin/ go, the temporary directory becomes results/."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from vllm_contour.models import home_dir
+
+    root = Path(__file__).resolve().parents[2]
+    model = home_dir() / "models" / "smollm2"
+    res = stamp({"args": {"model": str(model), "n": 3},
+                 "commands": [{"argv": f"{Path(sys.prefix) / 'bin'}/vllm-contour serve {model} --x {root}/docs"}]},
+                ["--out", f"{tempfile.gettempdir()}/m/run"])
+    assert res["args"] == {"model": "smollm2", "n": 3}
+    assert res["commands"][0]["argv"] == "vllm-contour serve smollm2 --x docs"
+    assert res["argv"] == ["--out", "results/m/run"]
