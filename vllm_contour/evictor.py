@@ -176,12 +176,10 @@ def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, quer
     positions[rows, slot] = cand_pos[rows, col]  # every row's kept positions, in its kept order
     positions = positions.view(num_layers, h, max_tok)
     carry = None
-    if policy.accumulates and all(sel.scores is not None for sel in sels):
+    if policy.accumulates:  # plan_rows gives an accumulating scorer's kept scores
         carry = torch.zeros((num_layers * h, max_tok))
         carry[rows, slot] = torch.cat([x for sel in sels for x in sel.scores]).to(torch.float32).nan_to_num(0.0, 0.0, 0.0)
         carry = carry.view(num_layers, h, max_tok)
-    elif policy.accumulates:
-        carry = torch.zeros((num_layers, h, max_tok))
     try:
         layout = plan_layout(pages, dest_ids, bs, h, e_new, moment_pages=budget.moment_pages,
                              block_slots=dest_slots, positions=positions)

@@ -145,24 +145,24 @@ def test_kept_scores_are_found_by_the_context_and_bounded():
 
     ids = list(range(100, 400))
     recon = Reconstructions(32, lambda: RP)
-    recon.start(SimpleNamespace(request=_request("a", ids), epoch=0), 256)
+    recon.start(SimpleNamespace(request=_request("a", ids), epoch=0), 256, key=context_key(_request("a", ids), 256))
     key = recon.waiting["a"].key
     assert key == context_key(_request("x", ids), 256)
-    assert recon.kept_scores(SimpleNamespace(request=_request("b", ids[:256] + [7, 8])), 256) is None  # not yet
+    assert not recon.kept_scores(context_key(_request("b", ids[:256] + [7, 8]), 256))  # not yet
     recon.keep_scores(key)
-    assert recon.kept_scores(SimpleNamespace(request=_request("b", ids[:256] + [7, 8])), 256) == key
+    assert context_key(_request("b", ids[:256] + [7, 8]), 256) == key and recon.kept_scores(key)
     for other in (_request("c", ids[:255] + [1] + ids[256:]), _request("d", ids, salt="t2"),
                   _request("e", ids, lora=SimpleNamespace(lora_int_id=3))):
-        assert recon.kept_scores(SimpleNamespace(request=other), 256) is None
-    assert recon.kept_scores(SimpleNamespace(request=_request("f", ids)), 255) is None
+        assert not recon.kept_scores(context_key(other, 256))
+    assert not recon.kept_scores(context_key(_request("f", ids), 255))
     # a streaming-input session's later chunk (start_at > 0) keeps nothing under a key
-    recon.start(SimpleNamespace(request=_request("s", ids), epoch=0), 300, start_at=256)
+    recon.start(SimpleNamespace(request=_request("s", ids), epoch=0), 300, start_at=256, key=key)
     assert recon.waiting["s"].key is None
     keys = [context_key(_request("k", [i] + ids), 256) for i in range(KEPT_SCORES)]
     for k in keys[:-1]:
         recon.keep_scores(k)
     assert recon.take_dropped_scores() == []
-    recon.kept_scores(SimpleNamespace(request=_request("b", ids)), 256)  # the oldest key, used again: kept
+    assert recon.kept_scores(context_key(_request("b", ids), 256))  # the oldest key, used again: kept
     recon.keep_scores(keys[-1])
     assert recon.take_dropped_scores() == [keys[0]]  # the least recently used, not the first key
     assert key in recon.scored and len(recon.scored) == KEPT_SCORES

@@ -98,10 +98,11 @@ class Reconstructions:
         """The owner computes nothing while its reconstruction runs (its question waits for the round)."""
         return req_id in self.waiting
 
-    def start(self, t: "Tracked", c: int, start_at: int = 0) -> int:
+    def start(self, t: "Tracked", c: int, start_at: int = 0, key: str | None = None) -> int:
         """Add the hidden requests that reconstruct ``t``'s context ``[0, C)``, or only its part
         ``[start_at, C)`` (what a streaming-input session appended since its last round: the earlier part's
-        scores are kept by the workers); -> how many."""
+        scores are kept by the workers); ``key``: the whole context's (``context_key``), its scores kept
+        after the round; -> how many."""
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
@@ -110,7 +111,7 @@ class Reconstructions:
         req = t.request
         ids = list(req.all_token_ids[:c])  # a session's earlier turns' tokens are part of its context
         parts = chunks(ids, c, self._repeat, size=self.chunk_size(c), start_at=start_at)
-        w = self.waiting[req.request_id] = Waiting(c, t.epoch, context_key(req, c) if start_at == 0 else None)
+        w = self.waiting[req.request_id] = Waiting(c, t.epoch, key if start_at == 0 else None)
         for ch in parts:
             self._n += 1
             rid = f"{PREFIX}{self._n}-{req.request_id}"
@@ -125,14 +126,13 @@ class Reconstructions:
             w.companions.append(rid)
         return len(w.companions)
 
-    def kept_scores(self, t: "Tracked", c: int) -> str | None:
-        """The key of ``t``'s context ``[0, C)`` when the workers keep its scores from an earlier request's
-        reconstruction (then the most recently used), else None."""
-        key = context_key(t.request, c)
+    def kept_scores(self, key: str) -> bool:
+        """Do the workers keep the scores of the context ``key`` from an earlier request's reconstruction?
+        (Then it is the most recently used.)"""
         if key not in self.scored:
-            return None
+            return False
         self.scored.move_to_end(key)
-        return key
+        return True
 
     def keep_scores(self, key: str) -> None:
         """A round that keeps its context's scores under ``key`` is dispatched; the least recently used past

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from vllm_contour import round_clock
 from vllm_contour.integration.context_publisher import ContextPublisher
-from vllm_contour.integration.reconstruction import Reconstructions
+from vllm_contour.integration.reconstruction import Reconstructions, context_key
 from vllm_contour.integration.request_blocks import RequestBlocks
 from vllm_contour.integration.scheduler_events import SchedulerEvents
 from vllm_contour.integration.scheduler_records import Tracked
@@ -47,17 +47,17 @@ class RoundDispatch:
         if t.reconstructs:  # scored by the context's reconstruction: it runs first (for a compacted
             # streaming-input session, over the tokens appended since its last round), unless the workers keep
             # the scores of an earlier request's reconstruction of the same context
-            key = None if t.compacted else self.recon.kept_scores(t, done)
-            if key is None:
-                self._reconstruct(t, done, t.region_blocks * bs if t.compacted else 0)
+            key = None if t.compacted else context_key(req, done)
+            if key is None or not self.recon.kept_scores(key):
+                self._reconstruct(t, done, t.region_blocks * bs if t.compacted else 0, key)
             elif self.dispatch(t, done, rounds, ScoresRef(key, t.epoch, store=False)):
                 self.events.event("reconstructions_reused")
             return
         self.dispatch(t, done, rounds)
 
-    def _reconstruct(self, t: Tracked, c: int, start_at: int) -> None:
+    def _reconstruct(self, t: Tracked, c: int, start_at: int, key: str | None) -> None:
         try:
-            self.recon.start(t, c, start_at)
+            self.recon.start(t, c, start_at, key)
             self.events.event("reconstructions")
         except Exception as e:  # never into vLLM: the request goes on without eviction
             self.stop_reconstruction(t, e)
