@@ -63,6 +63,18 @@ struct Cache {
   inline bool flat_dims() const { return dg >= D; }  // one stride (cs2) between a row's elements
 };
 
+// a row's pages lie anywhere in the cache, out of reach of the hardware prefetchers' streams: decode asks
+// for a page's keys (then its values) this many pages ahead, into L2
+constexpr int64_t kPrefetchPages = 2;
+// decode's softmax runs over chunks of about this many tokens (their logits stay in L1)
+constexpr int64_t kChunkTokens = 512;
+
+template <typename T>
+inline void prefetch_half(const Cache<T>& X, int64_t page) {  // a page's bs x D keys or values (contiguous)
+  const char* b = reinterpret_cast<const char*>(X.row(page, 0));
+  for (int64_t o = 0; o < X.bs * X.D * static_cast<int64_t>(sizeof(T)); o += 64) __builtin_prefetch(b + o, 0, 2);
+}
+
 inline int64_t cache_bs(const Tensor& c) { return c.dim() == 4 ? c.size(2) : c.size(2) * c.size(3); }
 inline int64_t cache_d(const Tensor& c) { return c.dim() == 4 ? c.size(3) : c.size(4) * c.size(5); }
 
@@ -548,9 +560,6 @@ inline void pair_values(const Cache<T>& V, int64_t page, int64_t n, int64_t c0, 
     }
 }
 
-// a row's pages lie anywhere in the cache, out of reach of the hardware prefetchers' streams: the pair path
-// asks for a page's keys and values this many pages ahead (into L2)
-constexpr int64_t kPrefetchPages = 2;
 
 // one page of one KV head's G queries: logits of tokens [0, n) into lg (row stride ld), or the values
 // weighted by lg into acc; groups of up to 4 queries per pass (accumulators stay in registers)
@@ -601,6 +610,116 @@ void pair_page_values(const Cache<T>& V, int64_t page, int64_t n, const float* l
       case 2: pair_page_values_ng<2>(V, page, n, p, ld, a, D); break;
       case 3: pair_page_values_ng<3>(V, page, n, p, ld, a, D); break;
       default: pair_page_values_ng<4>(V, page, n, p, ld, a, D); break;
+    }
+  }
+}
+#endif
+
+// ------------------------------------------------------------------------------ vec pages (AVX-512)
+// vLLM's vec / vec16 kernels keep a page's keys transposed ([D, bs]: a dim's tokens contiguous) and its
+// values as token rows, in fp32, bf16 or fp16. Decode reads both straight from the page, 16 elements at a
+// time widened to fp32: the logits of NG queries x 32 tokens and the weighted values of NG queries x 64
+// dims stay in registers (no unpacked copy of the page).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define CONTOUR_VEC_PAGES 1
+inline __mmask16 lanes_from(int64_t k) { return k <= 0 ? __mmask16(0) : first_lanes(k); }
+
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline __m512 load16(const c10::Half* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+template <typename T>
+inline __m512 load16(const T* p) {
+  return load16(p, __mmask16(0xffff));
+}
+
+template <typename T>
+inline bool vec_pages(const Cache<T>& K, const Cache<T>& V, int64_t D) {
+  constexpr bool widened = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
+  return widened && D % 16 == 0 && D > 1 &&                             //
+         K.tg >= K.bs && K.flat_dims() && K.ts2 == 1 && K.cs2 != 1 &&  // keys [D, bs]
+         V.tg >= V.bs && V.flat_dims() && V.cs2 == 1;                  // values [bs, D]
+}
+
+// logits of tokens [0, n) of a transposed key page (k: dim d's tokens at k + d * cs) into lg[g * ld + t]
+template <int NG, typename T>
+inline void vec_logits(const T* k, int64_t cs, int64_t n, const float* qs, int64_t D, float* lg, int64_t ld) {
+  for (int64_t j0 = 0; j0 < n; j0 += 32) {
+    const __mmask16 m0 = lanes_from(n - j0), m1 = lanes_from(n - j0 - 16);
+    __m512 a[NG][2];
+    for (int g = 0; g < NG; ++g) a[g][0] = a[g][1] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const T* r = k + d * cs + j0;
+      const __m512 x0 = load16(r, m0), x1 = load16(r + 16, m1);
+#pragma GCC unroll 4
+      for (int g = 0; g < NG; ++g) {
+        const __m512 qd = _mm512_set1_ps(qs[g * D + d]);
+        a[g][0] = _mm512_fmadd_ps(x0, qd, a[g][0]);
+        a[g][1] = _mm512_fmadd_ps(x1, qd, a[g][1]);
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      _mm512_mask_storeu_ps(lg + g * ld + j0, m0, a[g][0]);
+      _mm512_mask_storeu_ps(lg + g * ld + j0 + 16, m1, a[g][1]);
+    }
+  }
+}
+
+// acc[g * D + c] += sum_t p[g * ld + t] v[t, c], dims [16 c0, 16 (c0 + NC)) (v: token t's row at v + t * ts)
+template <int NG, int NC, typename T>
+inline void vec_values(const T* v, int64_t ts, int64_t n, int64_t c0, const float* p, int64_t ld, float* acc,
+                       int64_t D) {
+  __m512 a[NG][NC];
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NC; ++i) a[g][i] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 w[NC];
+    for (int i = 0; i < NC; ++i) w[i] = load16(v + t * ts + 16 * (c0 + i));
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; ++g) {
+      const __m512 pt = _mm512_set1_ps(p[g * ld + t]);
+      for (int i = 0; i < NC; ++i) a[g][i] = _mm512_fmadd_ps(w[i], pt, a[g][i]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NC; ++i) {
+      float* y = acc + g * D + 16 * (c0 + i);
+      _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), a[g][i]));
+    }
+}
+
+template <int NG, typename T>
+inline void vec_values_ng(const T* v, int64_t ts, int64_t n, const float* p, int64_t ld, float* acc, int64_t D) {
+  int64_t c0 = 0;  // 64 dims per pass while they last, then 16 at a time
+  for (; 16 * (c0 + 4) <= D; c0 += 4) vec_values<NG, 4>(v, ts, n, c0, p, ld, acc, D);
+  for (; 16 * c0 < D; ++c0) vec_values<NG, 1>(v, ts, n, c0, p, ld, acc, D);
+}
+
+// one page of one KV head's G queries (groups of up to 4 per pass): logits of tokens [0, n) into lg (row
+// stride ld), or the values weighted by lg into acc
+template <typename T>
+inline void vec_page_logits(const T* k, int64_t cs, int64_t n, const float* qs, int64_t G, int64_t D, float* lg,
+                            int64_t ld) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: vec_logits<1>(k, cs, n, qs + g0 * D, D, lg + g0 * ld, ld); break;
+      case 2: vec_logits<2>(k, cs, n, qs + g0 * D, D, lg + g0 * ld, ld); break;
+      case 3: vec_logits<3>(k, cs, n, qs + g0 * D, D, lg + g0 * ld, ld); break;
+      default: vec_logits<4>(k, cs, n, qs + g0 * D, D, lg + g0 * ld, ld); break;
+    }
+  }
+}
+
+template <typename T>
+inline void vec_page_values(const T* v, int64_t ts, int64_t n, const float* p, int64_t ld, int64_t G, int64_t D,
+                            float* acc) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: vec_values_ng<1>(v, ts, n, p + g0 * ld, ld, acc + g0 * D, D); break;
+      case 2: vec_values_ng<2>(v, ts, n, p + g0 * ld, ld, acc + g0 * D, D); break;
+      case 3: vec_values_ng<3>(v, ts, n, p + g0 * ld, ld, acc + g0 * D, D); break;
+      default: vec_values_ng<4>(v, ts, n, p + g0 * ld, ld, acc + g0 * D, D); break;
     }
   }
 }
@@ -1008,9 +1127,15 @@ void decode_kernel(const TQ* q, int64_t qs0, int64_t qs1, int64_t qs2, Cache<T> 
 #ifdef CONTOUR_PAIRS
   if constexpr (std::is_same_v<T, c10::BFloat16>) pairs = pair_pages(K, V, D);
 #endif
+  bool vec = false;  // vLLM's vec layouts read straight from the page
+#ifdef CONTOUR_VEC_PAGES
+  vec = vec_pages(K, V, D);
+#endif
 #pragma omp parallel
   {
-    std::vector<float> qs(G * D), acc(G * D), kb(bs * D), vb(4 * D), lg(G * bs), m(G), l(G), tmp(D), ob(G * D),
+    // lg: the logits, then the softmax weights, of a chunk's tokens for each of the G queries (row stride ld)
+    const int64_t cp = std::max<int64_t>(1, kChunkTokens / bs), ld = cp * bs;
+    std::vector<float> qs(G * D), acc(G * D), kb(bs * D), vb(4 * D), lg(G * ld), m(G), l(G), tmp(D), ob(G * D),
         lb(G), blk(bs * D), vpage(v_pages ? bs * D : 0);
     // a bf16 query read as its own dim pairs by the pair path's dot products (no rounding of q * scale)
     constexpr bool qw_bf16 = std::is_same_v<TQ, c10::BFloat16>;
@@ -1018,8 +1143,6 @@ void decode_kernel(const TQ* q, int64_t qs0, int64_t qs1, int64_t qs2, Cache<T> 
 #ifdef CONTOUR_AMX
     const bool amx = qw_bf16 && pairs && G <= 16 && (D == 64 || D == 128) && amx_usable();
     if (amx) amx_configure(G, D);
-#else
-    const bool amx = false;
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t th = 0; th < T_ * H; ++th) {
@@ -1042,87 +1165,122 @@ void decode_kernel(const TQ* q, int64_t qs0, int64_t qs1, int64_t qs2, Cache<T> 
       std::fill(m.begin(), m.end(), kNegInf);
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t npages = L > 0 ? std::min<int64_t>(P, (L + bs - 1) / bs) : 0;
-      for (int64_t p = 0; p < npages; ++p) {
-        const int64_t page = pt(t, h, p);
-        const int64_t n = std::min(bs, L - p * bs);
-        if (pairs) {
-#ifdef CONTOUR_PAIRS
-          if constexpr (std::is_same_v<T, c10::BFloat16>) {
-            if (p + kPrefetchPages < npages) {  // the page's K and V: bs x D elements each, contiguous
-              const char* kk = reinterpret_cast<const char*>(K.row(pt(t, h, p + kPrefetchPages), 0));
-              const char* vv = reinterpret_cast<const char*>(V.row(pt(t, h, p + kPrefetchPages), 0));
-              for (int64_t o = 0; o < bs * D * 2; o += 64) {
-                _mm_prefetch(kk + o, _MM_HINT_T1);
-                _mm_prefetch(vv + o, _MM_HINT_T1);
-              }
+      // the row in chunks of cp pages, two passes each: the chunk's logits (row g of lg: its tokens, stride
+      // ld), one softmax step over them (the accumulators rescaled once a chunk, not once a page), then the
+      // values weighted by them. Pages are asked for ahead in the order they are read: the chunk's keys, its
+      // values, the next chunk's keys.
+      for (int64_t p0 = 0; p0 < npages; p0 += cp) {
+        const int64_t pe = std::min(npages, p0 + cp);
+        const int64_t len = std::min(L, pe * bs) - p0 * bs;
+        for (int64_t p = p0; p < pe; ++p) {
+          const int64_t page = pt(t, h, p);
+          const int64_t n = std::min(bs, L - p * bs);
+          float* lp = lg.data() + (p - p0) * bs;
+          if (const int64_t a = p + kPrefetchPages; a < pe)
+            prefetch_half(K, pt(t, h, a));
+          else if (a - pe + p0 < pe)
+            prefetch_half(V, pt(t, h, a - pe + p0));
+          if (pairs) {
+  #ifdef CONTOUR_PAIRS
+            if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  #ifdef CONTOUR_AMX
+              if (amx) {
+                for (int64_t u = 0; 32 * u < n; ++u) amx_logits32(K, page, u, scale, G, D, lp, ld);
+              } else
+  #endif
+                pair_page_logits(K, page, n, qs.data(), qw_bf16 ? qw.data() : nullptr, scale, G, D, lp, ld);
             }
-#ifdef CONTOUR_AMX
-            if (amx) {
-              for (int64_t u = 0; 32 * u < n; ++u) amx_logits32(K, page, u, scale, G, D, lg.data(), bs);
-            } else
-#endif
-              pair_page_logits(K, page, n, qs.data(), qw_bf16 ? qw.data() : nullptr, scale, G, D, lg.data(), bs);
+  #endif
+            continue;
           }
-#endif
-        } else if (k_transposed) {  // key page stored [D, bs] (vLLM's CPU vec kernels): logits by columns
-          const T* base = K.row(page, 0);
-          for (int64_t d = 0; d < D; ++d) load_row(base + d * K.cs2, 1, n, kb.data() + d * bs);
-        } else if (k_blocks) {
-          unpack_page<true>(K, K.row(page, 0), n, kb.data(), bs, blk.data());
-        } else if (k_columns) {  // two-level layout: token group t1, dim group c1, dim c2, tokens t2 (stride ts2)
-          const T* base = K.row(page, 0);
-          const int64_t tg = std::min(K.tg, bs), dg = K.flat_dims() ? D : K.dg;
-          for (int64_t t1 = 0; t1 * tg < n; ++t1) {
-            const int64_t nt = std::min(tg, n - t1 * tg);
-            for (int64_t c1 = 0; c1 < D / dg; ++c1)
-              for (int64_t c2 = 0; c2 < dg; ++c2)
-                load_row(base + t1 * K.ts1 + c1 * K.cs1 + c2 * K.cs2, K.ts2, nt,
-                         kb.data() + (c1 * dg + c2) * bs + t1 * tg);
+  #ifdef CONTOUR_VEC_PAGES
+          if (vec) {
+            if constexpr (!std::is_same_v<T, double>) {
+              vec_page_logits(K.row(page, 0), K.cs2, n, qs.data(), G, D, lp, ld);
+              continue;
+            }
           }
-        } else {
-          for (int64_t j = 0; j < n; ++j) load_dims(K, K.row(page, j), kb.data() + j * D);
+  #endif
+          if (k_transposed) {  // key page stored [D, bs] (vLLM's CPU vec kernels): logits by columns
+            const T* base = K.row(page, 0);
+            for (int64_t d = 0; d < D; ++d) load_row(base + d * K.cs2, 1, n, kb.data() + d * bs);
+          } else if (k_blocks) {
+            unpack_page<true>(K, K.row(page, 0), n, kb.data(), bs, blk.data());
+          } else if (k_columns) {  // two-level layout: token group t1, dim group c1, dim c2, tokens t2 (stride ts2)
+            const T* base = K.row(page, 0);
+            const int64_t tg = std::min(K.tg, bs), dg = K.flat_dims() ? D : K.dg;
+            for (int64_t t1 = 0; t1 * tg < n; ++t1) {
+              const int64_t nt = std::min(tg, n - t1 * tg);
+              for (int64_t c1 = 0; c1 < D / dg; ++c1)
+                for (int64_t c2 = 0; c2 < dg; ++c2)
+                  load_row(base + t1 * K.ts1 + c1 * K.cs1 + c2 * K.cs2, K.ts2, nt,
+                           kb.data() + (c1 * dg + c2) * bs + t1 * tg);
+            }
+          } else {
+            for (int64_t j = 0; j < n; ++j) load_dims(K, K.row(page, j), kb.data() + j * D);
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            float* lgg = lp + g * ld;
+            const float* qg = qs.data() + g * D;
+            int64_t j = 0;
+            if (k_columns) {
+              std::fill(lgg, lgg + n, 0.f);
+              int64_t d = 0;
+              for (; d + 4 <= D; d += 4) axpy4(lgg, qg + d, kb.data() + d * bs, n, bs);
+              for (; d < D; ++d) axpy(lgg, qg[d], kb.data() + d * bs, n);
+            } else {
+              for (; j + 4 <= n; j += 4) dot4(qg, kb.data() + j * D, D, lgg + j);
+              for (; j < n; ++j) lgg[j] = dot(qg, kb.data() + j * D, D);
+            }
+          }
         }
         for (int64_t g = 0; g < G; ++g) {
-          float* lgg = lg.data() + g * bs;
-          const float* qg = qs.data() + g * D;
-          int64_t j = 0;
-          if (pairs) {  // logits already there
-          } else if (k_columns) {
-            std::fill(lgg, lgg + n, 0.f);
-            int64_t d = 0;
-            for (; d + 4 <= D; d += 4) axpy4(lgg, qg + d, kb.data() + d * bs, n, bs);
-            for (; d < D; ++d) axpy(lgg, qg[d], kb.data() + d * bs, n);
-          } else {
-            for (; j + 4 <= n; j += 4) dot4(qg, kb.data() + j * D, D, lgg + j);
-            for (; j < n; ++j) lgg[j] = dot(qg, kb.data() + j * D, D);
-          }
-          const float mnew = std::max(m[g], row_max(lgg, n));
+          float* lgg = lg.data() + g * ld;
+          const float mnew = std::max(m[g], row_max(lgg, len));
+          if (mnew == kNegInf) continue;
           const float alpha = m[g] == kNegInf ? 0.f : std::exp(m[g] - mnew);
           if (alpha != 1.f) scal(acc.data() + g * D, alpha, D);
-          l[g] = l[g] * alpha + exp_in_place(lgg, n, mnew);
+          l[g] = l[g] * alpha + exp_in_place(lgg, len, mnew);
           m[g] = mnew;
         }
-        int64_t j = 0;
-        if (pairs) {
-#ifdef CONTOUR_PAIRS
-          if constexpr (std::is_same_v<T, c10::BFloat16>) pair_page_values(V, page, n, lg.data(), bs, G, D, acc.data());
-#endif
-          continue;
-        }
-        if (v_pages) {  // the whole value page unpacked into rows once
-          unpack_page<false>(V, V.row(page, 0), n, vpage.data(), D, blk.data());
-          for (; j + 4 <= n; j += 4)
-            for (int64_t g = 0; g < G; ++g) axpy4(acc.data() + g * D, lg.data() + g * bs + j, vpage.data() + j * D, D);
-          for (; j < n; ++j)
-            for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, lg[g * bs + j], vpage.data() + j * D, D);
-        }
-        for (; j + 4 <= n; j += 4) {
-          for (int64_t r = 0; r < 4; ++r) load_dims(V, V.row(page, j + r), vb.data() + r * D);
-          for (int64_t g = 0; g < G; ++g) axpy4(acc.data() + g * D, lg.data() + g * bs + j, vb.data(), D);
-        }
-        for (; j < n; ++j) {
-          load_dims(V, V.row(page, j), vb.data());
-          for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, lg[g * bs + j], vb.data(), D);
+        for (int64_t p = p0; p < pe; ++p) {
+          const int64_t page = pt(t, h, p);
+          const int64_t n = std::min(bs, L - p * bs);
+          const float* lp = lg.data() + (p - p0) * bs;
+          if (const int64_t a = p + kPrefetchPages; a < pe)
+            prefetch_half(V, pt(t, h, a));
+          else if (a < npages)
+            prefetch_half(K, pt(t, h, a));
+          int64_t j = 0;
+          if (pairs) {
+  #ifdef CONTOUR_PAIRS
+            if constexpr (std::is_same_v<T, c10::BFloat16>) pair_page_values(V, page, n, lp, ld, G, D, acc.data());
+  #endif
+            continue;
+          }
+  #ifdef CONTOUR_VEC_PAGES
+          if (vec) {
+            if constexpr (!std::is_same_v<T, double>) {
+              vec_page_values(V.row(page, 0), V.ts2, n, lp, ld, G, D, acc.data());
+              continue;
+            }
+          }
+  #endif
+          if (v_pages) {  // the whole value page unpacked into rows once
+            unpack_page<false>(V, V.row(page, 0), n, vpage.data(), D, blk.data());
+            for (; j + 4 <= n; j += 4)
+              for (int64_t g = 0; g < G; ++g) axpy4(acc.data() + g * D, lp + g * ld + j, vpage.data() + j * D, D);
+            for (; j < n; ++j)
+              for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, lp[g * ld + j], vpage.data() + j * D, D);
+          }
+          for (; j + 4 <= n; j += 4) {
+            for (int64_t r = 0; r < 4; ++r) load_dims(V, V.row(page, j + r), vb.data() + r * D);
+            for (int64_t g = 0; g < G; ++g) axpy4(acc.data() + g * D, lp + g * ld + j, vb.data(), D);
+          }
+          for (; j < n; ++j) {
+            load_dims(V, V.row(page, j), vb.data());
+            for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, lp[g * ld + j], vb.data(), D);
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g) {

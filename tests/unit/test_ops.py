@@ -130,6 +130,47 @@ def test_decode_matches_reference(cpp, layout, dtype, with_moments):
         torch.testing.assert_close(got_l, want_l, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_rows_longer_than_a_softmax_chunk(cpp, layout, dtype):
+    """Rows of 1,000-2,100 tokens (the kernel's softmax runs over chunks of ~512 tokens and rescales what it
+    has summed when a later chunk's logits are larger): keys grow along the row so that every chunk raises
+    the maximum; one head's row ends one token into a chunk. Equals the reference, moments off and on."""
+    bs, nb = 32, 80
+    storage, k, v = make_cache(layout, nb, H, bs, D, dtype, seed=5)
+    pages = torch.randperm(nb * H, generator=torch.Generator().manual_seed(6))[:3 * 66].view(1, H, 66)
+    sl = torch.tensor([[2100, 1000, 16 * bs + 1]], dtype=torch.int32)
+    for i in range(66):  # page i of head h: keys times 1 + i / 16 (later tokens get larger logits)
+        for h in range(H):
+            b, lane = divmod(int(pages[0, h, i]), H)
+            k[b, lane] *= 1 + i / 16
+    q = torch.randn(1, H * G, D, generator=torch.Generator().manual_seed(7)).to(dtype)
+    for mom in (None, random_moments(1, 1, H, D)):
+        want_o, want_l = ragged_decode_attention_ref(q, k, v, pages.to(torch.int32), sl, D ** -0.5, moments=mom)
+        got_o, got_l = ops.ragged_decode_attention(q, k, v, pages.to(torch.int32), sl, D ** -0.5, moments=mom,
+                                                   impl=cpp, need_lse=True)
+        torch.testing.assert_close(got_o.float(), want_o.float(), **tol(dtype))
+        torch.testing.assert_close(got_l, want_l, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["cpu_rows", "cpu_keyT"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_reads_nothing_past_a_rows_length(cpp, layout, dtype):
+    """vLLM's vec layouts (the kernel's masked loads): slots of a row's last page past its length hold NaN;
+    the output is the reference's over the row's tokens."""
+    bs, n = 32, 32 + 19
+    storage, k, v = make_cache(layout, 4, H, bs, D, dtype, seed=9)
+    pt = torch.stack([torch.arange(2) * H + h for h in range(H)]).unsqueeze(0).to(torch.int32)
+    sl = torch.full((1, H), n, dtype=torch.int32)
+    q = torch.randn(1, H * G, D, generator=torch.Generator().manual_seed(4)).to(dtype)
+    want_o, _ = ragged_decode_attention_ref(q, k, v, pt, sl, D ** -0.5)
+    k[1, :, n - bs:] = float("nan")
+    v[1, :, n - bs:] = float("nan")
+    got_o, _ = ops.ragged_decode_attention(q, k, v, pt, sl, D ** -0.5, impl=cpp, need_lse=True)
+    assert storage.isnan().any() and torch.isfinite(want_o).all()
+    torch.testing.assert_close(got_o.float(), want_o.float(), **tol(dtype))
+
+
 def test_decode_query_dtype_and_index_types(cpp):
     """fp32 query on a bf16 cache (output in the query dtype), int64 / non-contiguous tables."""
     _, k, v = make_cache("cpu_keyT", NB, H, BS, D, torch.bfloat16, seed=11)
