@@ -856,33 +856,103 @@ inline void move_row(const Cache<U>& X, U* dst, bool dst_cache, const U* src, bo
                 src + c * (src_cache ? X.cs1 : X.dg), src_cache ? X.cs2 : 1, X.dg);
 }
 
-// Which moves read a slot that another move writes ("clobbered" sources)? Only those go through a
-// temporary buffer; every other source is never written, so it can be read at any time. Fills the
-// temporary row of every move (-1: read in place), returns the number of clobbered moves. [lo, hi]: the
-// range of destination slot keys (page * bs + offset).
+#if defined(CONTOUR_VEC_PAGES)
+#define CONTOUR_COLUMN_MOVES 1
+// Pages whose columns (one dim, or one pair of dims, of consecutive tokens) are runs of 2- or 4-byte words,
+// one per token: vLLM's vec layouts (keys [D, bs]) and its AMX packing (keys in 16-token groups of dim
+// pairs). A token's move writes one word in each column. A run of moves to consecutive tokens of one
+// group, whose sources lie in one window of two vectors (2 x 64 bytes of a column) of one page, moves
+// together: per column, two masked loads, one two-source permute and one masked store.
+struct Columns {
+  int64_t word = 0, count = 0, stride = 0, lanes = 0;  // word bytes, columns, column stride (elements), words / 64 B
+};
+
+template <typename U>
+inline bool word_columns(const Cache<U>& X, Columns& c) {
+  const int64_t es = static_cast<int64_t>(sizeof(U));
+  if (X.D < 2) return false;
+  if (X.flat_dims()) {
+    if (X.ts2 != 1) return false;
+    c.word = es, c.count = X.D, c.stride = X.cs2;
+  } else {
+    if (X.cs2 != 1 || X.ts2 != X.dg) return false;
+    c.word = X.dg * es, c.count = X.D / X.dg, c.stride = X.cs1;
+  }
+  if (c.word != 4 && c.word != 2) return false;
+  c.lanes = 64 / c.word;
+  // a window's two vectors each lie inside one group of a column
+  return std::min(X.tg, X.bs) % c.lanes == 0;
+}
+
+// moves [i0, i0 + r) to consecutive tokens of one group, their sources (offsets so) read in place from the
+// window [w0, w0 + 2 * lanes) of the page whose element offset is src_page
+template <typename U>
+inline void move_columns(const Cache<U>& X, const Columns& c, const int64_t* so, const int64_t* xd, int64_t i0,
+                         int64_t r, int64_t src_page, int64_t w0) {
+  const int64_t L = c.lanes;
+  alignas(64) uint16_t idx[32] = {};
+  uint64_t want = 0;  // window lanes read
+  for (int64_t k = 0; k < r; ++k) {
+    idx[k] = static_cast<uint16_t>(so[i0 + k] - w0);
+    want |= uint64_t(1) << idx[k];
+  }
+  const U* a = X.base + src_page + X.tok(w0);
+  const U* b = want >> L ? X.base + src_page + X.tok(w0 + L) : a;  // a second vector only when one is read
+  U* d = X.base + xd[i0];
+  if (c.word == 4) {
+    const __m512i vi = _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(idx)));
+    const __mmask16 ma = static_cast<__mmask16>(want), mb = static_cast<__mmask16>(want >> 16), md = first_lanes(r);
+    for (int64_t j = 0; j < c.count; ++j, a += c.stride, b += c.stride, d += c.stride) {
+      const __m512i w = _mm512_permutex2var_epi32(_mm512_maskz_loadu_epi32(ma, a), vi, _mm512_maskz_loadu_epi32(mb, b));
+      _mm512_mask_storeu_epi32(d, md, w);
+    }
+  } else {
+    const __m512i vi = _mm512_load_si512(idx);
+    const __mmask32 ma = static_cast<__mmask32>(want), mb = static_cast<__mmask32>(want >> 32),
+                    md = r >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << r) - 1);
+    for (int64_t j = 0; j < c.count; ++j, a += c.stride, b += c.stride, d += c.stride) {
+      const __m512i w = _mm512_permutex2var_epi16(_mm512_maskz_loadu_epi16(ma, a), vi, _mm512_maskz_loadu_epi16(mb, b));
+      _mm512_mask_storeu_epi16(d, md, w);
+    }
+  }
+}
+#endif
+
+// Moves run in their order, one thread, up to this many; more are split over threads in any order.
+constexpr int64_t kOrderedMoves = 8192;
+
+// Which moves read a slot that another move writes first ("clobbered" sources)? Only those go through a
+// temporary buffer; every other source is read in place. Moves run in order (ordered): a source is
+// clobbered when an earlier move writes it (a compaction towards the front of its row clobbers none);
+// otherwise, or over a sparse range of destinations, when any other move writes it. Fills the temporary
+// row of every move (-1: read in place), returns the number of clobbered moves. [lo, hi]: the range of
+// destination slot keys (page * bs + offset).
 int64_t clobbered_slots(const int64_t* sp, const int64_t* so, const int64_t* dp, const int64_t* dof, int64_t M,
-                        int64_t bs, int64_t lo, int64_t hi, int64_t* slot) {
+                        int64_t bs, int64_t lo, int64_t hi, bool ordered, int64_t* slot) {
   int64_t C = 0;
   const int64_t range = hi - lo + 1;
+  auto moved = [&](int64_t i) { return sp[i] != dp[i] || so[i] != dof[i]; };
   if (range <= std::max<int64_t>(64 * M, int64_t(1) << 22)) {  // dense bitmap of destination slots
     std::unique_ptr<uint64_t[]> bits(new uint64_t[(range + 63) / 64]());
-    for (int64_t i = 0; i < M; ++i) {
+    auto mark = [&](int64_t i) {
       const int64_t r = dp[i] * bs + dof[i] - lo;
       bits[r >> 6] |= uint64_t(1) << (r & 63);
-    }
+    };
+    if (!ordered)
+      for (int64_t i = 0; i < M; ++i) mark(i);
     for (int64_t i = 0; i < M; ++i) {
       const int64_t r = sp[i] * bs + so[i] - lo;
       const bool hit = static_cast<uint64_t>(r) < static_cast<uint64_t>(range) &&
-                       ((bits[r >> 6] >> (r & 63)) & 1) && (sp[i] != dp[i] || so[i] != dof[i]);
+                       ((bits[r >> 6] >> (r & 63)) & 1) && moved(i);
       slot[i] = hit ? C++ : -1;
+      if (ordered) mark(i);
     }
-  } else {  // sparse: sorted destination slots + binary search
+  } else {  // sparse (any order): sorted destination slots + binary search
     std::vector<int64_t> dst(M);
     for (int64_t i = 0; i < M; ++i) dst[i] = dp[i] * bs + dof[i];
     std::sort(dst.begin(), dst.end());
     for (int64_t i = 0; i < M; ++i) {
-      const bool hit = (sp[i] != dp[i] || so[i] != dof[i]) &&
-                       std::binary_search(dst.begin(), dst.end(), sp[i] * bs + so[i]);
+      const bool hit = moved(i) && std::binary_search(dst.begin(), dst.end(), sp[i] * bs + so[i]);
       slot[i] = hit ? C++ : -1;
     }
   }
@@ -942,7 +1012,7 @@ void compact_kernel(const Tensor& kc, const Tensor& vc, const int64_t* sp, const
   }
   std::unique_ptr<int64_t[]> slot_buf(new int64_t[M]);
   int64_t* slot = slot_buf.get();  // row in the temporary buffer, -1: read in place
-  const int64_t C = clobbered_slots(sp, so, dp, dof, M, bs, lo, hi, slot);
+  const int64_t C = clobbered_slots(sp, so, dp, dof, M, bs, lo, hi, M <= kOrderedMoves, slot);
   std::unique_ptr<U[]> tmp(new U[C * D + 1]);  // uninitialised
   // K and V in separate passes: interleaving them makes every load 4 KiB-alias the previous store in
   // vLLM's CPU layout (V rows sit bs*D elements after the K rows) and ran ~4x slower than a strided copy.
@@ -955,14 +1025,45 @@ void compact_kernel(const Tensor& kc, const Tensor& vc, const int64_t* sp, const
       for (int64_t i = 0; i < M; ++i)
         if (slot[i] >= 0) move_row<U>(X, tmp.get() + slot[i] * D, false, X.base + xs[i], true);
     }
-#pragma omp parallel for schedule(static) if (M > 8192)
-    for (int64_t i = 0; i < M; ++i) {
-      if (xs[i] == xd[i]) continue;  // a self move
+    auto one = [&](int64_t i) {
+      if (xs[i] == xd[i]) return;  // a self move
       if (slot[i] >= 0)
         move_row<U>(X, X.base + xd[i], true, tmp.get() + slot[i] * D, false);
       else
         move_row<U>(X, X.base + xd[i], true, X.base + xs[i], true);
+    };
+#ifdef CONTOUR_COLUMN_MOVES
+    Columns col;
+    if (word_columns(X, col)) {
+      // runs of moves to consecutive tokens of one group from one window of one page, none read from the
+      // buffer; a run is (first move, length), negative: moved one by one
+      const int64_t L = col.lanes, group = std::min(X.tg, X.bs);
+      std::vector<int64_t> runs;
+      runs.reserve(M / 4 + 1);
+      for (int64_t i = 0; i < M;) {
+        const int64_t w0 = so[i] / L * L;
+        int64_t r = 1;
+        while (i + r < M && r < L && dp[i + r] == dp[i] && dof[i + r] == dof[i] + r &&
+               dof[i + r] / group == dof[i] / group && sp[i + r] == sp[i] && so[i + r] >= w0 &&
+               so[i + r] < w0 + 2 * L && slot[i + r] < 0)
+          ++r;
+        runs.push_back(r > 1 && slot[i] < 0 ? i * 64 + r : -(i * 64 + r) - 1);
+        i += r;
+      }
+      const int64_t R = static_cast<int64_t>(runs.size());
+#pragma omp parallel for schedule(static) if (M > kOrderedMoves)
+      for (int64_t k = 0; k < R; ++k) {
+        const int64_t code = runs[k] >= 0 ? runs[k] : -runs[k] - 1, i0 = code / 64, r = code % 64;
+        if (runs[k] >= 0)
+          move_columns<U>(X, col, so, xd, i0, r, xs[i0] - X.tok(so[i0]), so[i0] / L * L);
+        else
+          for (int64_t i = i0; i < i0 + r; ++i) one(i);
+      }
+      continue;
     }
+#endif
+#pragma omp parallel for schedule(static) if (M > kOrderedMoves)
+    for (int64_t i = 0; i < M; ++i) one(i);
   }
 }
 

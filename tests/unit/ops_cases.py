@@ -88,11 +88,11 @@ def random_moments(seed: int, t: int, h: int, d: int, max_n: int = 40) -> dict:
             "sum_vk": m.sum_vk.view(t, h, d, d)}
 
 
-def compaction_moves(seed: int, nb: int, h: int, bs: int):
-    """One layer's moves of a real eviction (kept tokens of every head packed into the first blocks, heads
-    borrowing lanes): sources and destinations overlap."""
+def compaction_moves(seed: int, nb: int, h: int, bs: int, blocks: int = 5):
+    """One layer's moves of a real eviction (kept tokens of every head packed into the first of ``blocks``
+    blocks, heads borrowing lanes): sources and destinations overlap."""
     rnd = random.Random(seed)
-    e = min(nb, 5)
+    e = min(nb, blocks)
     block_ids = rnd.sample(range(nb), e)
     kept = []
     pages = []

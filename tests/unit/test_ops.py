@@ -51,6 +51,28 @@ def test_compact_matches_reference(cpp, layout, dtype, moves):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # bit-exact, untouched slots too
 
 
+@pytest.mark.parametrize("layout", ["cpu_keyT", "cpu_amx"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bs, blocks", [(32, 8), (64, 8), (64, 120)])
+def test_compact_moves_key_columns_in_runs(cpp, layout, dtype, bs, blocks):
+    """Pages whose keys are columns of 2- or 4-byte words (vec and AMX packing, pages of 32 and 64 tokens)
+    move runs of consecutive destinations together from a window of their source page; one layer of
+    120 blocks (over 13,000 moves) runs its moves in any order, on two threads."""
+    nb, d = blocks + 2, 64
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for seed in range(2):
+            kv, _, _ = make_cache(layout, nb, H, bs, d, dtype, seed=seed)
+            idx = compaction_moves(seed, nb, H, bs, blocks=blocks)
+            want, got = kv.clone(), kv.clone()
+            compact_ref(*views_of(layout, want, d), *idx)
+            ops.compact(*views_of(layout, got, d), *idx, impl=cpp)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_compact_empty_and_self_moves(cpp):
     kv, k, v = make_cache("cpu_rows", NB, H, BS, D)
     before = kv.clone()
