@@ -88,10 +88,11 @@ def init_amx() -> bool | None:
     return bool(torch.cpu._init_amx())
 
 
-def _cpp_decode_path() -> str | None:
-    """How the C++ decode reads bf16 pages in vLLM's AMX packing here (``amx``, ``avx512_bf16``, ...)."""
+def _cpp_decode_path(layout: str) -> str | None:
+    """How the C++ decode reads pages of ``layout`` here: ``amx`` (vLLM's AMX packing: ``amx``,
+    ``avx512_bf16``, ...) or ``vec`` (vLLM's vec layouts: ``avx512`` or ``generic``)."""
     try:
-        return str(torch.ops.vllm_contour.decode_path())
+        return str(torch.ops.vllm_contour.decode_path(layout))
     except (AttributeError, RuntimeError):
         return None
 
@@ -373,6 +374,7 @@ def main(argv=None):
             key_layout = PageLayout.amx_bf16(BS, D)
     elif vllm is not None:
         key_layout = probe_layout(vllm[1](dtype, BS, D), dtype, BS, D)
+    cpp_layout = "amx" if a.layout == "amx" or "amx" in key_layout.source else "vec"
     if a.quick:
         comp_sizes, keeps, dec_sizes, reps = [256, 1024, 4096], [0.5], [256, 1024, 4096], 5
     else:
@@ -392,8 +394,8 @@ def main(argv=None):
                          "reps": reps, "quick": a.quick, "torch": torch.__version__,
                          "cpu": platform.processor() or platform.machine(),
                          "vllm_isa": vllm[1](dtype, BS, D) if vllm else None, "amx_tiles": amx_state,
-                         "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16", "avx2"))),
-                         "cpp_decode_path": _cpp_decode_path()},
+                         "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512", "avx2"))),
+                         "cpp_decode_layout": cpp_layout, "cpp_decode_path": _cpp_decode_path(cpp_layout)},
               "compaction": [], "decode": [], "compacted_vs_full": []}
     for kind, n, keep in tqdm(jobs, desc="benchmarks.ops"):
         if kind == "compaction":

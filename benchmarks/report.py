@@ -284,7 +284,9 @@ def render_ops(runs: list[tuple[str, dict]]) -> str:
         cfg = res["config"]
         machine = ""
         if cfg.get("vllm_isa"):
-            ours = cfg.get("cpp_decode_path") if str(cfg.get("key_layout", "")).startswith("vLLM amx") else "generic"
+            ours = cfg.get("cpp_decode_path")
+            if "cpp_decode_layout" not in cfg:  # older records: the path of the AMX packing only
+                ours = ours if str(cfg.get("key_layout", "")).startswith("vLLM amx") else "generic"
             machine = (f"; CPU flags {', '.join(cfg.get('cpu_flags') or []) or 'not recorded'}; vLLM's kernel "
                        f"`{cfg['vllm_isa']}`, the C++ decode's path `{ours or 'not recorded'}`")
         out += ([""] if out else []) + [provenance(res, "ops", src) + f" — {cfg['dtype']}, {cfg['threads']} thread(s)"

@@ -153,7 +153,7 @@ def main(argv=None):
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     amx = a.dtype == "bf16" and "amx_bf16" in flags
     res = {"dtype": a.dtype, "cache_layout": "amx_bf16" if amx else "key_transposed", "threads": torch.get_num_threads(),
-           "cpu": platform.processor() or platform.machine(), "cpu_flags": sorted(f for f in flags if f.startswith(("amx", "avx512_bf16", "avx2"))),
+           "cpu": platform.processor() or platform.machine(), "cpu_flags": sorted(f for f in flags if f.startswith(("amx", "avx512", "avx2"))),
            "shape": {"layers": LAYERS, "kv_heads": H, "q_heads": HQ, "head_dim": D, "block": BS},
            "prompt": PROMPT, "interval": T, "budget": BUDGET, "policy": "snapkv", "rows": []}
     res["load_before"] = os.getloadavg()[0]

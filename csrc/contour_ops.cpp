@@ -1498,10 +1498,19 @@ std::tuple<Tensor, Tensor> ragged_decode_attention(Tensor query, Tensor kc, Tens
   return {same || query.scalar_type() == at::kFloat ? out : out.to(query.scalar_type()), lse};
 }
 
-// How ragged_decode_attention reads bf16 pages in vLLM's AMX packing on this build and machine (for logs and
-// benchmarks): "amx" (AMX tiles for the logits, AVX-512 for the values), "avx512_bf16", "avx512" (both from
-// registers), or "generic" (pages unpacked to fp32 rows and columns); other layouts always run "generic".
-std::string decode_path() {
+// How ragged_decode_attention reads vLLM's pages on this build and machine (for logs and benchmarks).
+// layout "amx", bf16 pages in vLLM's AMX packing: "amx" (AMX tiles for the logits, AVX-512 for the values),
+// "avx512_bf16", "avx512" (both from registers) or "generic" (pages unpacked to fp32 rows and columns);
+// layout "vec", vLLM's vec layouts (keys [D, bs], value rows): "avx512" (read in place) or "generic".
+std::string decode_path(const std::string& layout) {
+  if (layout == "vec") {
+#ifdef CONTOUR_VEC_PAGES
+    return "avx512";
+#else
+    return "generic";
+#endif
+  }
+  TORCH_CHECK(layout == "amx", "decode_path: layout must be 'amx' or 'vec', got '", layout, "'");
 #ifdef CONTOUR_AMX
   if (amx_usable()) return "amx";
 #endif
@@ -1524,7 +1533,7 @@ TORCH_LIBRARY(vllm_contour, m) {
   m.def("ragged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor page_table, "
         "Tensor seq_lens, float scale, Tensor? n=None, Tensor? sum_k=None, Tensor? sum_v=None, "
         "Tensor? sum_vk=None) -> (Tensor, Tensor)");
-  m.def("decode_path() -> str", &decode_path);
+  m.def("decode_path(str layout=\"amx\") -> str", &decode_path);
 }
 
 TORCH_LIBRARY_IMPL(vllm_contour, CPU, m) {
