@@ -884,36 +884,52 @@ inline bool word_columns(const Cache<U>& X, Columns& c) {
   return std::min(X.tg, X.bs) % c.lanes == 0;
 }
 
-// moves [i0, i0 + r) to consecutive tokens of one group, their sources (offsets so) read in place from the
-// window [w0, w0 + 2 * lanes) of the page whose element offset is src_page
+// A run: moves [i0, i0 + r) to consecutive tokens of one group, their sources in the window [w0, w0 + 2 *
+// lanes) of one page, read in place or, where another move writes one of them first, from a copy of the
+// window set aside before the pass (aside >= 0: its index).
+struct ColumnRun {
+  int64_t i0, r, aside;
+};
+
+// The window's two vectors in column j: a + j * stride, b + j * stride (bytes).
+struct Window {
+  const char *a, *b;
+  int64_t stride;
+};
+
 template <typename U>
-inline void move_columns(const Cache<U>& X, const Columns& c, const int64_t* so, const int64_t* xd, int64_t i0,
-                         int64_t r, int64_t src_page, int64_t w0) {
-  const int64_t L = c.lanes;
-  alignas(64) uint16_t idx[32] = {};
-  uint64_t want = 0;  // window lanes read
-  for (int64_t k = 0; k < r; ++k) {
-    idx[k] = static_cast<uint16_t>(so[i0 + k] - w0);
-    want |= uint64_t(1) << idx[k];
+inline Window cache_window(const Cache<U>& X, const Columns& c, int64_t src_page, int64_t w0) {
+  const int64_t es = static_cast<int64_t>(sizeof(U));
+  const char* a = reinterpret_cast<const char*>(X.base + src_page + X.tok(w0));
+  // the second vector's tokens may lie past the page: its lanes are then never read (masked)
+  const char* b = w0 + c.lanes < X.bs ? reinterpret_cast<const char*>(X.base + src_page + X.tok(w0 + c.lanes)) : a;
+  return {a, b, c.stride * es};
+}
+
+// copies the window's columns (128 bytes each) to out
+inline void set_window_aside(const Columns& c, const Window& w, char* out) {
+  for (int64_t j = 0; j < c.count; ++j, out += 128) {
+    _mm512_storeu_si512(out, _mm512_loadu_si512(w.a + j * w.stride));
+    _mm512_storeu_si512(out + 64, _mm512_loadu_si512(w.b + j * w.stride));
   }
-  const U* a = X.base + src_page + X.tok(w0);
-  const U* b = want >> L ? X.base + src_page + X.tok(w0 + L) : a;  // a second vector only when one is read
-  U* d = X.base + xd[i0];
+}
+
+// per column: the run's source words gathered from the window by one two-source permute, one masked store
+inline void move_columns(const Columns& c, const Window& w, const int64_t* so, int64_t w0, int64_t i0, int64_t r,
+                         char* d, int64_t dstride) {
+  alignas(64) uint16_t idx[32] = {};
+  for (int64_t k = 0; k < r; ++k) idx[k] = static_cast<uint16_t>(so[i0 + k] - w0);
+  const char *a = w.a, *b = w.b;
   if (c.word == 4) {
     const __m512i vi = _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(idx)));
-    const __mmask16 ma = static_cast<__mmask16>(want), mb = static_cast<__mmask16>(want >> 16), md = first_lanes(r);
-    for (int64_t j = 0; j < c.count; ++j, a += c.stride, b += c.stride, d += c.stride) {
-      const __m512i w = _mm512_permutex2var_epi32(_mm512_maskz_loadu_epi32(ma, a), vi, _mm512_maskz_loadu_epi32(mb, b));
-      _mm512_mask_storeu_epi32(d, md, w);
-    }
+    const __mmask16 md = first_lanes(r);
+    for (int64_t j = 0; j < c.count; ++j, a += w.stride, b += w.stride, d += dstride)
+      _mm512_mask_storeu_epi32(d, md, _mm512_permutex2var_epi32(_mm512_loadu_si512(a), vi, _mm512_loadu_si512(b)));
   } else {
     const __m512i vi = _mm512_load_si512(idx);
-    const __mmask32 ma = static_cast<__mmask32>(want), mb = static_cast<__mmask32>(want >> 32),
-                    md = r >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << r) - 1);
-    for (int64_t j = 0; j < c.count; ++j, a += c.stride, b += c.stride, d += c.stride) {
-      const __m512i w = _mm512_permutex2var_epi16(_mm512_maskz_loadu_epi16(ma, a), vi, _mm512_maskz_loadu_epi16(mb, b));
-      _mm512_mask_storeu_epi16(d, md, w);
-    }
+    const __mmask32 md = r >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << r) - 1);
+    for (int64_t j = 0; j < c.count; ++j, a += w.stride, b += w.stride, d += dstride)
+      _mm512_mask_storeu_epi16(d, md, _mm512_permutex2var_epi16(_mm512_loadu_si512(a), vi, _mm512_loadu_si512(b)));
   }
 }
 #endif
@@ -1020,11 +1036,6 @@ void compact_kernel(const Tensor& kc, const Tensor& vc, const int64_t* sp, const
     const Cache<U>& X = pass == 0 ? K : V;
     const int64_t* xs = pass == 0 ? ks : vs;
     const int64_t* xd = pass == 0 ? kd : vd;
-    if (C > 0) {
-#pragma omp parallel for schedule(static) if (C > 8192)
-      for (int64_t i = 0; i < M; ++i)
-        if (slot[i] >= 0) move_row<U>(X, tmp.get() + slot[i] * D, false, X.base + xs[i], true);
-    }
     auto one = [&](int64_t i) {
       if (xs[i] == xd[i]) return;  // a self move
       if (slot[i] >= 0)
@@ -1032,36 +1043,65 @@ void compact_kernel(const Tensor& kc, const Tensor& vc, const int64_t* sp, const
       else
         move_row<U>(X, X.base + xd[i], true, X.base + xs[i], true);
     };
+    auto aside = [&](int64_t i) {
+      if (slot[i] >= 0) move_row<U>(X, tmp.get() + slot[i] * D, false, X.base + xs[i], true);
+    };
 #ifdef CONTOUR_COLUMN_MOVES
     Columns col;
     if (word_columns(X, col)) {
-      // runs of moves to consecutive tokens of one group from one window of one page, none read from the
-      // buffer; a run is (first move, length), negative: moved one by one
+      // runs of 2+ moves (r == 1: moved one by one); a run with a clobbered source reads its window from a
+      // copy set aside before the pass
       const int64_t L = col.lanes, group = std::min(X.tg, X.bs);
-      std::vector<int64_t> runs;
+      std::vector<ColumnRun> runs;
       runs.reserve(M / 4 + 1);
+      int64_t windows = 0;
       for (int64_t i = 0; i < M;) {
-        const int64_t w0 = so[i] / L * L;
+        const int64_t w0 = so[i] & ~(L - 1), last = std::min(L, (dof[i] / group + 1) * group - dof[i]);
+        bool set_aside = slot[i] >= 0;
         int64_t r = 1;
-        while (i + r < M && r < L && dp[i + r] == dp[i] && dof[i + r] == dof[i] + r &&
-               dof[i + r] / group == dof[i] / group && sp[i + r] == sp[i] && so[i + r] >= w0 &&
-               so[i + r] < w0 + 2 * L && slot[i + r] < 0)
+        while (i + r < M && r < last && dp[i + r] == dp[i] && dof[i + r] == dof[i] + r && sp[i + r] == sp[i] &&
+               so[i + r] >= w0 && so[i + r] < w0 + 2 * L) {
+          set_aside |= slot[i + r] >= 0;
           ++r;
-        runs.push_back(r > 1 && slot[i] < 0 ? i * 64 + r : -(i * 64 + r) - 1);
+        }
+        runs.push_back({i, r, r > 1 && set_aside ? windows++ : -1});
         i += r;
       }
       const int64_t R = static_cast<int64_t>(runs.size());
+      auto window = [&](const ColumnRun& run) {
+        return cache_window(X, col, xs[run.i0] - X.tok(so[run.i0]), so[run.i0] & ~(L - 1));
+      };
+      std::unique_ptr<char[]> wbuf(new char[windows * col.count * 128 + 1]);
+      if (C > 0) {
+#pragma omp parallel for schedule(static) if (M > kOrderedMoves)
+        for (int64_t k = 0; k < R; ++k) {
+          const ColumnRun& run = runs[k];
+          if (run.aside >= 0)
+            set_window_aside(col, window(run), wbuf.get() + run.aside * col.count * 128);
+          else if (run.r == 1)
+            aside(run.i0);
+        }
+      }
 #pragma omp parallel for schedule(static) if (M > kOrderedMoves)
       for (int64_t k = 0; k < R; ++k) {
-        const int64_t code = runs[k] >= 0 ? runs[k] : -runs[k] - 1, i0 = code / 64, r = code % 64;
-        if (runs[k] >= 0)
-          move_columns<U>(X, col, so, xd, i0, r, xs[i0] - X.tok(so[i0]), so[i0] / L * L);
-        else
-          for (int64_t i = i0; i < i0 + r; ++i) one(i);
+        const ColumnRun& run = runs[k];
+        if (run.r == 1) {
+          one(run.i0);
+          continue;
+        }
+        const Window w = run.aside >= 0 ? Window{wbuf.get() + run.aside * col.count * 128,
+                                                 wbuf.get() + run.aside * col.count * 128 + 64, 128}
+                                        : window(run);
+        move_columns(col, w, so, so[run.i0] & ~(L - 1), run.i0, run.r, reinterpret_cast<char*>(X.base + xd[run.i0]),
+                     col.stride * static_cast<int64_t>(sizeof(U)));
       }
       continue;
     }
 #endif
+    if (C > 0) {
+#pragma omp parallel for schedule(static) if (C > 8192)
+      for (int64_t i = 0; i < M; ++i) aside(i);
+    }
 #pragma omp parallel for schedule(static) if (M > kOrderedMoves)
     for (int64_t i = 0; i < M; ++i) one(i);
   }

@@ -73,6 +73,21 @@ def test_compact_moves_key_columns_in_runs(cpp, layout, dtype, bs, blocks):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("layout", ["cpu_keyT", "cpu_amx"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compact_run_reads_a_source_an_earlier_move_wrote_from_before_the_moves(cpp, layout, dtype):
+    """Moves 1 and 2 go to consecutive tokens from one window of one page (one run); move 2's source is what
+    move 0 overwrites, so the run must read it as it was before any move (its window set aside)."""
+    bs, d = 32, 64
+    kv, _, _ = make_cache(layout, 4, H, bs, d, dtype, seed=5)
+    src_page, src_off = torch.tensor([6, 3, 3, 3]), torch.tensor([0, 2, 3, 9])
+    dst_page, dst_off = torch.tensor([3, 0, 0, 0]), torch.tensor([3, 0, 1, 2])
+    want, got = kv.clone(), kv.clone()
+    compact_ref(*views_of(layout, want, d), src_page, src_off, dst_page, dst_off)
+    ops.compact(*views_of(layout, got, d), src_page, src_off, dst_page, dst_off, impl=cpp)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_compact_empty_and_self_moves(cpp):
     kv, k, v = make_cache("cpu_rows", NB, H, BS, D)
     before = kv.clone()
