@@ -862,7 +862,8 @@ inline void move_row(const Cache<U>& X, U* dst, bool dst_cache, const U* src, bo
 // one per token: vLLM's vec layouts (keys [D, bs]) and its AMX packing (keys in 16-token groups of dim
 // pairs). A token's move writes one word in each column. A run of moves to consecutive tokens of one
 // group, whose sources lie in one window of two vectors (2 x 64 bytes of a column) of one page, moves
-// together: per column, two masked loads, one two-source permute and one masked store.
+// together: per column, two loads (whole 64-byte vectors inside the column; lanes that are not the run's
+// sources are never used), one two-source permute and one masked store.
 struct Columns {
   int64_t word = 0, count = 0, stride = 0, lanes = 0;  // word bytes, columns, column stride (elements), words / 64 B
 };
