@@ -889,7 +889,7 @@ inline bool word_columns(const Cache<U>& X, Columns& c) {
 // lanes) of one page, read in place or, where another move writes one of them first, from a copy of the
 // window set aside before the pass (aside >= 0: its index).
 struct ColumnRun {
-  int64_t i0, r, aside;
+  int64_t i0, r, w0, aside;
 };
 
 // The window's two vectors in column j: a + j * stride, b + j * stride (bytes).
@@ -902,7 +902,7 @@ template <typename U>
 inline Window cache_window(const Cache<U>& X, const Columns& c, int64_t src_page, int64_t w0) {
   const int64_t es = static_cast<int64_t>(sizeof(U));
   const char* a = reinterpret_cast<const char*>(X.base + src_page + X.tok(w0));
-  // the second vector's tokens may lie past the page: its lanes are then never read (masked)
+  // past the page's last token no run's index reaches the second vector: it is then the first again
   const char* b = w0 + c.lanes < X.bs ? reinterpret_cast<const char*>(X.base + src_page + X.tok(w0 + c.lanes)) : a;
   return {a, b, c.stride * es};
 }
@@ -1065,12 +1065,12 @@ void compact_kernel(const Tensor& kc, const Tensor& vc, const int64_t* sp, const
           set_aside |= slot[i + r] >= 0;
           ++r;
         }
-        runs.push_back({i, r, r > 1 && set_aside ? windows++ : -1});
+        runs.push_back({i, r, w0, r > 1 && set_aside ? windows++ : -1});
         i += r;
       }
       const int64_t R = static_cast<int64_t>(runs.size());
       auto window = [&](const ColumnRun& run) {
-        return cache_window(X, col, xs[run.i0] - X.tok(so[run.i0]), so[run.i0] & ~(L - 1));
+        return cache_window(X, col, xs[run.i0] - X.tok(so[run.i0]), run.w0);
       };
       std::unique_ptr<char[]> wbuf(new char[windows * col.count * 128 + 1]);
       if (C > 0) {
@@ -1093,7 +1093,7 @@ void compact_kernel(const Tensor& kc, const Tensor& vc, const int64_t* sp, const
         const Window w = run.aside >= 0 ? Window{wbuf.get() + run.aside * col.count * 128,
                                                  wbuf.get() + run.aside * col.count * 128 + 64, 128}
                                         : window(run);
-        move_columns(col, w, so, so[run.i0] & ~(L - 1), run.i0, run.r, reinterpret_cast<char*>(X.base + xd[run.i0]),
+        move_columns(col, w, so, run.w0, run.i0, run.r, reinterpret_cast<char*>(X.base + xd[run.i0]),
                      col.stride * static_cast<int64_t>(sizeof(U)));
       }
       continue;
