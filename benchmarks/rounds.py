@@ -1,5 +1,6 @@
-"""What an eviction round costs per request when 1, 4 or 16 requests are due in the same step: the worker's
-rounds one request after another (plan, apply) against the step's rounds together (each planned, then
+"""What an eviction round costs per request when 1, 4 or 16 requests are due in the same step: rounds one
+request after another (plan, apply) against the step's rounds together as the worker runs them
+(first rounds planned one by one, decode-time rounds in one policy pass, ``evictor.plan_rounds``; then
 ``evictor.apply_rounds``: one compaction per layer for all of them).
 
     python -m benchmarks.rounds [--out DIR] [--requests 1,4,16] [--dtype bf16|fp32] [--reps 3]
@@ -56,6 +57,17 @@ def _plans(views, blocks, n_tokens, prevs, params, pb, queries):
     return out
 
 
+def _plans_together(views, blocks, n_tokens, prevs, params, pb, queries):
+    """The worker's way: first rounds one by one, decode-time rounds in one ``plan_rounds`` call."""
+    from vllm_contour.evictor import RoundRequest, plan_rounds
+
+    if any(p is None for p in prevs):
+        return _plans(views, blocks, n_tokens, prevs, params, pb, queries)
+    reqs = [RoundRequest(ids, n_tokens[r], prevs[r], queries, torch.arange(n_tokens[r] - params.window, n_tokens[r]))
+            for r, ids in enumerate(blocks)]
+    return plan_rounds(views, reqs, params, pb, D ** -0.5)
+
+
 def _run(views, blocks, params, pb, queries, batched: bool) -> dict:
     """The first round of every request, then one decode-time round of every request; -> seconds."""
     from vllm_contour.evictor import apply_round, apply_rounds
@@ -67,7 +79,7 @@ def _run(views, blocks, params, pb, queries, batched: bool) -> dict:
     for kind in ("first", "decode"):
         t0 = time.perf_counter()
         if batched:
-            plans = _plans(views, blocks, tokens, prevs, params, pb, queries)
+            plans = _plans_together(views, blocks, tokens, prevs, params, pb, queries)
             prevs = apply_rounds(views, plans)
         else:
             plans = []

@@ -31,7 +31,7 @@ from vllm_contour.budget import PageBudget
 from vllm_contour.config import RequestEviction
 from vllm_contour.layout import RequestLayout, compaction_indices, plan_layout, region_source_table
 from vllm_contour.ops.paged import dims, gather_pages
-from vllm_contour.policies import LayerInputs, Policy, build_policy
+from vllm_contour.policies import LayerInputs, Policy, Selection, build_policy
 
 
 class PlanError(RuntimeError):
@@ -81,21 +81,71 @@ def plan_round(caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[
     depend on depth, e.g. PyramidKV, see the whole model); default ``(0, len(caches))``. ``reconstruction``:
     ``[L, H, C]`` KVzip scores of the context by position (policies that score with the context
     reconstruction; a later round reads its kept tokens' and new tail's)."""
+    req = RoundRequest(block_ids, num_tokens, prev, queries, query_positions, fresh_ids, reconstruction)
+    return plan_rounds(caches, [req], params, budget, scale, policy, layers)[0]
+
+
+@dataclass
+class RoundRequest:
+    """One request's part of ``plan_rounds`` (``plan_round``'s per-request arguments)."""
+
+    block_ids: list[int]
+    num_tokens: int
+    prev: RequestLayout | None = None
+    queries: dict[int, torch.Tensor] | None = None
+    query_positions: torch.Tensor | None = None
+    fresh_ids: list[int] | None = None
+    reconstruction: torch.Tensor | None = None
+
+
+def plan_rounds(caches: list[tuple[torch.Tensor, torch.Tensor]], requests: list[RoundRequest],
+                params: RequestEviction, budget: PageBudget, scale: float, policy: Policy | None = None,
+                layers: tuple[int, int] | None = None) -> list[RoundPlan | None]:
+    """Plan the rounds of several requests with the same eviction parameters in one policy pass
+    (``Policy.plan_requests``: the per-layer allocation and the selection once for all). Each plan equals
+    ``plan_round`` of its request alone; each plan's ``seconds`` is its share of the whole. Every request's
+    policy input (its candidates' keys) stays alive until the joint selection: meant for decode-time rounds,
+    whose candidates are their kept tokens and tail. Raises when any request's round cannot be planned (the
+    caller plans them one by one to find which)."""
     with on_device(caches[0][0]):
-        return _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, queries, query_positions,
-                           policy, fresh_ids, layers or (0, len(caches)), reconstruction)
+        t0 = time.perf_counter()
+        policy = policy or build_policy(params.policy, params.policy_args, sink_tokens=params.sink_tokens,
+                                        recent_window=params.recent_window)
+        layers = layers or (0, len(caches))
+        preps = [_prepare(caches, r, params, budget, scale, policy, layers) for r in requests]
+        live = [p for p in preps if p is not None]
+        sels = iter(policy.plan_requests([p.inp for p in live], [[budget.token_pages] * len(caches)] * len(live),
+                                         budget.num_kv_heads))
+        plans = [None if p is None else _finish(caches, p, next(sels), policy, budget) for p in preps]
+        share = (time.perf_counter() - t0) / max(1, sum(p is not None for p in plans))
+        for plan in plans:
+            if plan is not None:
+                plan.seconds = share
+        return plans
 
 
-def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, queries, query_positions, policy,
-                fresh_ids, layers, reconstruction=None) -> RoundPlan | None:
-    t0 = time.perf_counter()
+@dataclass
+class _Prepared:
+    """A request's round before the policy ran: its candidates as the policy's input."""
+
+    inp: LayerInputs
+    src_tables: list[torch.Tensor]  # per layer [H, width]: each row's candidate pages
+    cand: tuple[torch.Tensor, torch.Tensor]  # candidates' positions [L * H, width], their counts [L, H]
+    targets: list[int]
+    e_new: int
+    block_ids: list[int]
+    prev: RequestLayout | None
+    fresh_ids: list[int] | None
+
+
+def _prepare(caches, req: RoundRequest, params, budget, scale, policy, layers) -> _Prepared | None:
+    block_ids, num_tokens, prev, queries = req.block_ids, req.num_tokens, req.prev, req.queries
+    query_positions, reconstruction = req.query_positions, req.reconstruction
     key0 = caches[0][0]
     _, h, bs, d = dims(key0)
     if h != budget.num_kv_heads or bs != budget.block_size:
         raise PlanError(f"budget for {budget.num_kv_heads} heads x page {budget.block_size}, cache has "
                         f"{h} x {bs}")
-    policy = policy or build_policy(params.policy, params.policy_args, sink_tokens=params.sink_tokens,
-                                    recent_window=params.recent_window)
     n_blocks = (num_tokens + bs - 1) // bs
     if len(block_ids) < n_blocks:
         raise PlanError(f"request has {len(block_ids)} blocks, {n_blocks} needed for {num_tokens} tokens")
@@ -138,8 +188,15 @@ def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, quer
                                 f"layers x {h} heads x {e_new * bs} tokens")
             flat = reconstruction.reshape(num_layers * h, -1)
             inp.reconstruction = flat.gather(1, inp.positions.clamp(0, flat.shape[1] - 1).to(flat.device))
-    # every layer scored in one pass (scorers work per KV head), then allocated and selected per layer
-    sels = policy.plan_rows(inp, [budget.token_pages] * num_layers, h)
+    return _Prepared(inp, src_tables, cand, targets, e_new, block_ids, prev, req.fresh_ids)
+
+
+def _finish(caches, prep: _Prepared, sels: list[Selection], policy: Policy, budget: PageBudget) -> RoundPlan:
+    """The round's layout, moves and evicted sets from the policy's selections (nothing is written)."""
+    src_tables, cand, targets, e_new = prep.src_tables, prep.cand, prep.targets, prep.e_new
+    block_ids, prev, fresh_ids = prep.block_ids, prep.prev, prep.fresh_ids
+    _, h, bs, _ = dims(caches[0][0])
+    num_layers = len(caches)
     kept_all = [sel.kept for sel in sels]
     pages = torch.tensor([[k.numel() // bs for k in sel.kept] for sel in sels], dtype=torch.int64)
     cand_pos, n_cand = cand  # [L * H, width] candidates' positions (a row's first n_cand[l, h]), [L, H]
@@ -201,8 +258,7 @@ def _plan_round(caches, block_ids, num_tokens, params, budget, scale, prev, quer
     if fresh_ids is not None:
         replaced = [(s, target_ids[i], layout.block_ids[i]) for i, s in enumerate(targets[:k])]
     return RoundPlan(layout=layout, freed_slots=targets[k:], freed_blocks=target_ids[k:], layers=layers,
-                     prev=prev, evicted_tokens=int(evicted_n.sum()), seconds=time.perf_counter() - t0,
-                     replaced=replaced)
+                     prev=prev, evicted_tokens=int(evicted_n.sum()), replaced=replaced)
 
 
 def _gather(caches, side: int, ids: torch.Tensor, rows: int, width: int) -> torch.Tensor:
@@ -276,7 +332,8 @@ def _round_inputs(caches, blocks, num_tokens, prev: RequestLayout, e_new, scale,
     inp = LayerInputs(keys=keys, values=values, region_len=width * bs, page_size=bs, layer_idx=layers[0],
                       num_layers=layers[1], scale=scale, queries=q_all, query_positions=query_positions,
                       positions=pos.reshape(num_layers * h, -1), prior=prior,
-                      head_pages=(p + n_tail).reshape(-1), valid=valid.reshape(num_layers * h, -1))
+                      head_pages=(p + n_tail).reshape(-1), valid=valid.reshape(num_layers * h, -1),
+                      window_end=num_tokens)  # every row ends with the tail: its context is the whole request
     return inp, [src[layer] for layer in range(num_layers)], (pos.reshape(num_layers * h, -1), n_cand)
 
 

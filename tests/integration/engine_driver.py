@@ -1109,7 +1109,7 @@ def run_kvzip(llm, spec, res):
     question; ``kv_context_len`` = the context, ``kvzip`` at 128) beside KN (no eviction) in the same steps;
     then KN alone; then KB, the same context with another question. Per step: KA's computed tokens after the
     step (and, when the scheduler schedules hidden reconstruction requests, their ids and blocks then); the reconstruction scores the round planned with (the
-    worker's ``plan_round`` call, watched); KA's kept positions, tokens and log-probabilities; the reference
+    worker's ``plan_rounds`` call, watched); KA's kept positions, tokens and log-probabilities; the reference
     counts of the hidden requests' blocks at the end (vLLM's pool); the scheduler's counters around KB."""
     from vllm import SamplingParams
 
@@ -1126,11 +1126,10 @@ def run_kvzip(llm, spec, res):
     sched = core.scheduler
     mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
     seen: list = []
-    real = worker_rounds.plan_round
+    real = worker_rounds.plan_rounds
 
     def watched(*a, **kw):
-        if kw.get("reconstruction") is not None:
-            seen.append(kw["reconstruction"].clone())
+        seen.extend(r.reconstruction.clone() for r in a[1] if r.reconstruction is not None)
         return real(*a, **kw)
 
     recon = sched.connector.scheduler_side.recon
@@ -1147,7 +1146,7 @@ def run_kvzip(llm, spec, res):
 
     kz = {"kv_policy": "kvzip", "kv_budget": 128, "kv_context_len": len(ctx)}
     sp = dict(temperature=0, ignore_eos=True, logprobs=1)
-    worker_rounds.plan_round = watched
+    worker_rounds.plan_rounds = watched
     recon.step = watched_step
     try:
         engine.add_request("KA", {"prompt_token_ids": ctx + q1}, SamplingParams(max_tokens=10, extra_args=kz, **sp))
@@ -1180,7 +1179,7 @@ def run_kvzip(llm, spec, res):
                 kb_first.append(kb.num_computed_tokens)
         after = {"reconstructions": side.totals.reconstructions, "shared_hits": side.totals.shared_hits}
     finally:
-        worker_rounds.plan_round = real
+        worker_rounds.plan_rounds = real
         recon.step = real_step
     pool = sched.kv_cache_manager.block_pool
     res["kvzip"] = {
@@ -1209,12 +1208,13 @@ def run_kvzip_reuse(llm, spec, res):
     q = tok.encode(" Question: what did the people keep records of? Answer:", add_special_tokens=False)
     side = _core(llm).scheduler.connector.scheduler_side
     seen: dict = {}
-    real = worker_rounds.plan_round
+    real = worker_rounds.plan_rounds
     kept: dict = {}
 
     def watched(*a, **kw):
-        if kw.get("reconstruction") is not None:
-            seen.setdefault(len(seen), kw["reconstruction"].clone().tolist())
+        for r in a[1]:
+            if r.reconstruction is not None:
+                seen.setdefault(len(seen), r.reconstruction.clone().tolist())
         return real(*a, **kw)
 
     def counters():
@@ -1224,7 +1224,7 @@ def run_kvzip_reuse(llm, spec, res):
     kz = {"kv_policy": "kvzip", "kv_budget": 128, "kv_context_len": len(ctx)}
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args=kz)
     steps, outs = [counters()], {}
-    worker_rounds.plan_round = watched
+    worker_rounds.plan_rounds = watched
     try:
         for rid in ("KA", "KB"):
             llm.llm_engine.add_request(rid, {"prompt_token_ids": ctx + q}, sp)
@@ -1238,7 +1238,7 @@ def run_kvzip_reuse(llm, spec, res):
             outs.update(_drain(llm, on_step=grab))
             steps.append(counters())
     finally:
-        worker_rounds.plan_round = real
+        worker_rounds.plan_rounds = real
     res["kvzip_reuse"] = {"counters": steps, "scores": [seen[i] for i in sorted(seen)], "kept": kept,
                           "tokens": outs, "free_end": _free(llm),
                           "num_blocks": _core(llm).scheduler.kv_cache_manager.block_pool.num_gpu_blocks}
@@ -1257,14 +1257,15 @@ def run_kvzip_stream(llm, spec, res):
     side = sched.connector.scheduler_side
     mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
     seen: list = []
-    real = worker_rounds.plan_round
+    real = worker_rounds.plan_rounds
 
     def watched(*a, **kw):
-        if kw.get("reconstruction") is not None:
-            req = sched.requests.get("KS")
-            seen.append({"scores": kw["reconstruction"].clone().tolist(), "num_tokens": a[2],
-                         "tokens": list(req.all_token_ids) if req is not None else None,
-                         "region_blocks": None if kw.get("prev") is None else kw["prev"].region_blocks})
+        for r in a[1]:
+            if r.reconstruction is not None:
+                req = sched.requests.get("KS")
+                seen.append({"scores": r.reconstruction.clone().tolist(), "num_tokens": r.num_tokens,
+                             "tokens": list(req.all_token_ids) if req is not None else None,
+                             "region_blocks": None if r.prev is None else r.prev.region_blocks})
         return real(*a, **kw)
 
     held, hidden = [], set()
@@ -1277,13 +1278,13 @@ def run_kvzip_stream(llm, spec, res):
         return n
 
     before = {"reconstructions": side.totals.reconstructions, "failures": dict(side.totals.failures)}
-    worker_rounds.plan_round = watched
+    worker_rounds.plan_rounds = watched
     side.recon.step = watched_step
     try:
         turns = _stream_session(llm, "KS", chunks, 8, {"kv_policy": "kvzip", "kv_budget": 128},
                                 lambda: held.append(_held(llm).get("KS")))
     finally:
-        worker_rounds.plan_round = real
+        worker_rounds.plan_rounds = real
         side.recon.step = real_step
     pool = sched.kv_cache_manager.block_pool
     res["kvzip_stream"] = {

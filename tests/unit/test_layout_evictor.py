@@ -14,6 +14,7 @@ from vllm_contour.layout import (compaction_indices, decode_page_table, kept_blo
 from vllm_contour.ops.cpu_layout import KEY_TRANSPOSED, PageLayout, cpu_kv_views
 from vllm_contour.ops.paged import rows, set_rows
 from vllm_contour.ops.reference import dense_attention_ref
+from vllm_contour.policies import PRESETS
 
 
 def cpu_cache(num_blocks, h, bs, d, dtype=torch.float32, seed=0, key_layout=KEY_TRANSPOSED):
@@ -560,6 +561,51 @@ def test_rounds_due_in_the_same_step_applied_together_equal_one_after_another(po
         assert torch.equal(k0.view(torch.int32), k1.view(torch.int32)) and torch.equal(v0, v1)
     for a, b in zip(seq_pos, bat_pos):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("policy", list(PRESETS))
+def test_decode_time_rounds_planned_together_equal_each_planned_alone(policy):
+    """Four requests of different lengths (their kept runs and tails differ in width), three rounds each:
+    the rounds of all of them planned as one (``plan_rounds``: one policy pass, allocation and selection
+    over all their rows) give each request the plan it gets alone (``plan_round``): the same kept positions,
+    pages, moves, evicted sets and carried scores, for every preset."""
+    from vllm_contour.evictor import RoundRequest, plan_rounds
+
+    h, g, bs, d, layers, nb = 3, 3, 16, 32, 3, 300
+    caches = [cpu_cache(nb, h, bs, d, seed=s)[1:] for s in range(layers)]
+    pool = list(range(nb - 1, 0, -1))
+    reqs = [_Request(caches, _truth(layers, h, d, 700, seed=20 + r), bs, pool) for r in range(4)]
+    params = resolve_request(EvictionConfig(policy=policy, budget=64, recent_window=8, sink_tokens=2,
+                                            moment_correction=policy == "snapkv"), None)
+    pb = _budget(params, h, bs, d)
+    gq = torch.Generator().manual_seed(7)
+    for r, req in enumerate(reqs):
+        req.append(140 + 23 * r)
+    lays = [None] * 4
+    for step in range(3):
+        asks = []
+        for r, req in enumerate(reqs):
+            queries = {layer: torch.randn(h * g, params.window, d, generator=gq) for layer in range(layers)}
+            recon = torch.rand(layers, h, req.n + 64, generator=gq)
+            asks.append(RoundRequest(list(req.block_ids), req.n, lays[r], queries,
+                                     torch.arange(req.n - params.window, req.n), reconstruction=recon))
+        together = plan_rounds(caches, asks, params, pb, d ** -0.5)
+        alone = [plan_round(caches, a.block_ids, a.num_tokens, params, pb, d ** -0.5, prev=a.prev, queries=a.queries,
+                            query_positions=a.query_positions, reconstruction=a.reconstruction) for a in asks]
+        for x, y in zip(together, alone):
+            assert torch.equal(x.layout.positions, y.layout.positions)
+            assert torch.equal(x.layout.pages, y.layout.pages)
+            assert (x.layout.carry is None) == (y.layout.carry is None)
+            assert x.layout.carry is None or torch.equal(x.layout.carry, y.layout.carry)
+            for lx, ly in zip(x.layers, y.layers):
+                assert all(torch.equal(a, b) for a, b in zip(lx.moves, ly.moves))
+                assert (lx.evicted is None) == (ly.evicted is None)
+                assert lx.evicted is None or all(torch.equal(a, b) for a, b in zip(lx.evicted, ly.evicted))
+        lays = [apply_round(caches, plan) for plan in alone]
+        for r, (req, plan) in enumerate(zip(reqs, alone)):
+            req.free(plan.freed_slots)
+            req.append(40 + 8 * r)
+    assert all(lay.rounds == 3 for lay in lays)
 
 
 @pytest.mark.parametrize("policy", ["kvzip", "contour_kvzip"])

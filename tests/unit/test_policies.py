@@ -97,6 +97,45 @@ def test_snapkv_scores_unchanged():
     torch.testing.assert_close(SnapKVScorer().score(inp), want[:, : inp.region_len])
 
 
+@pytest.mark.parametrize("ragged", [False, True])
+def test_window_mass_a_few_rows_at_a_time_equals_all_rows_at_once(ragged, monkeypatch):
+    """Window mass is computed a few rows at a time when the logits would be large: each chunk's rows with
+    their own GQA queries, positions and the whole input's context end, so the result is the one-pass
+    result exactly (a prompt's rows; a decode-time round's ragged rows with their own positions)."""
+    from vllm_contour.policies.scorers import common
+
+    inp = make_inp(h=6, hq=12, t=90, w=7, seed=4)
+    if ragged:  # rows with their own positions (kept tokens then a tail), padding, a context past the region
+        g = torch.Generator().manual_seed(5)
+        pos = torch.sort(torch.randperm(200, generator=g)[:90].view(1, -1).expand(6, -1) + 0, dim=1).values.clone()
+        pos[:, -20:] = torch.arange(200, 220)
+        inp = dataclasses.replace(inp, positions=pos, valid=torch.rand(6, 90, generator=g) > 0.2,
+                                  head_pages=torch.tensor([8, 6, 8, 7, 5, 8]), region_len=64,
+                                  query_positions=torch.arange(213, 220))
+    whole = common.window_mass(inp)
+    monkeypatch.setattr(common, "_CHUNK_BYTES", 12 * 7 * 90 * 4 // 4)  # four chunks
+    assert torch.equal(common.window_mass(inp), whole)
+
+
+def test_uniform_allocation_of_many_layers_at_once_equals_each_layer_alone():
+    """``UniformAllocator.allocate_groups`` (one call over every (request, layer) of a joint plan) gives each
+    group exactly ``allocate``'s split: caps below the share, floors above the caps, totals past the caps,
+    zero caps, one to eight heads."""
+    from vllm_contour.policies.allocators.uniform import UniformAllocator
+
+    g = torch.Generator().manual_seed(3)
+    for h in (1, 2, 3, 5, 8):
+        caps = torch.randint(0, 12, (400, h), generator=g)
+        totals = torch.randint(0, 60, (400,), generator=g)
+        floors = torch.randint(0, 5, (400,), generator=g)
+        got = UniformAllocator.allocate_groups(caps, totals, floors)
+        for i in range(400):
+            inp = make_inp(h=h, hq=h, t=96, bs=8, region_pages=12)
+            inp.head_pages = caps[i]
+            want = UniformAllocator().allocate(torch.zeros(h, 96), inp, LayerBudget(int(totals[i]), int(floors[i])))
+            assert torch.equal(got[i], want), (caps[i], totals[i], floors[i], got[i], want)
+
+
 def test_window_scorers_without_context_queries_give_zeros():
     inp = make_inp(t=40, w=4, window_end=32)
     inp.query_positions = torch.tensor([33, 34, 35, 36])  # all in the question

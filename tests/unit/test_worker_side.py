@@ -130,6 +130,59 @@ def test_rounds_due_together_move_together_and_a_failure_stays_with_its_request(
                                                                  + stats2.data["c:compact_seconds"])
 
 
+def test_decode_time_rounds_due_together_are_planned_together_and_a_plan_failure_stays_alone(side):
+    """Three compacted requests due in one step are planned in one policy pass (each keeps what its round
+    alone keeps); a request whose round cannot be planned (too few blocks for its tokens) makes the joint
+    plan fail, the step then plans them one by one: it alone fails, the others compact as before; a plan
+    fault (fault switch) takes its request out of the joint plan."""
+    from vllm_contour.budget import page_budget
+    from vllm_contour.config import EvictionConfig, resolve_request
+    from vllm_contour.evictor import plan_round
+    from vllm_contour.integration.faults import FaultSwitch
+    from vllm_contour.integration.metrics import ContourStats
+    from vllm_contour.integration.reports import PlanFailed, Round
+    from vllm_contour.integration.state import RoundItem
+    from vllm_contour.integration.worker_rounds import WorkerRounds
+
+    ws, st = side
+    layers, bs, d, per_req = 2, 16, 8, 10
+    params = resolve_request(EvictionConfig(policy="knorm", budget=32, recent_window=4, sink_tokens=2), None)
+    pb = page_budget(params.budget, num_kv_heads=H, block_size=bs, head_dim=d, elem_size=4,
+                     sink_tokens=params.sink_tokens, recent_window=params.recent_window, moments=False)
+
+    def step(faults, n_tokens, short=None):
+        views = [make_cache("cpu_rows", 3 * per_req + 1, H, bs, d, torch.float32, seed=s)[1:] for s in range(layers)]
+        st.requests.clear()
+        ids = {r: list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for i, r in enumerate("abc")}
+        first = [RoundItem(req_id=r, block_ids=ids[r], num_tokens=5 * bs - 3, params=params, budget=pb, seq=1)
+                 for r in "abc"]
+        for it in first:
+            st.state_for(it.req_id)
+        rounds = WorkerRounds(FaultSwitch(faults))
+        rounds.run(first, views, d ** -0.5, None, {}, ContourStats())
+        prevs = {r: st.requests[r].layout for r in "abc"}
+        later = [RoundItem(req_id=r, block_ids=ids[r][:4] if r == short else ids[r], num_tokens=n_tokens[i],
+                           params=params, budget=pb, seq=2) for i, r in enumerate("abc")]
+        alone = {it.req_id: plan_round(views, it.block_ids, it.num_tokens, params, pb, d ** -0.5, prev=prevs[it.req_id])
+                 for it in later if it.req_id != short}
+        rep, stats = {}, ContourStats()
+        rounds.run(later, views, d ** -0.5, None, rep, stats)
+        for r, plan in alone.items():
+            if isinstance(rep[r], Round):
+                assert torch.equal(st.requests[r].layout.positions, plan.layout.positions)
+        return rep, stats
+
+    rep, stats = step("", [8 * bs, 9 * bs - 2, 10 * bs])
+    assert all(isinstance(rep[r], Round) for r in "abc") and stats.data.get("c:rounds_planned_together") == 3
+    rep, stats = step("", [8 * bs, 9 * bs - 2, 10 * bs], short="b")
+    assert isinstance(rep["b"], PlanFailed) and "blocks" in rep["b"].reason
+    assert isinstance(rep["a"], Round) and isinstance(rep["c"], Round)
+    assert "c:rounds_planned_together" not in stats.data
+    rep, stats = step("at=plan:b:2", [8 * bs, 9 * bs - 2, 10 * bs])
+    assert isinstance(rep["b"], PlanFailed) and isinstance(rep["a"], Round) and isinstance(rep["c"], Round)
+    assert stats.data.get("c:rounds_planned_together") == 2
+
+
 def test_kept_kvzip_scores_named_dropped_go_after_the_steps_rounds(side):
     """The scheduler names kept context scores to drop (least recently used, or a prefix-cache reset); the
     worker drops them after the step's rounds, which may still read them; the others stay."""

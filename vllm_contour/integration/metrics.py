@@ -34,6 +34,8 @@ COUNTERS = {
                            "compacted (decode-time rounds after the first, a session's later chunks)",
     "batched_rounds": "Rounds whose bytes moved together with other requests' rounds due in the same step "
                       "(one compaction per layer)",
+    "rounds_planned_together": "Decode-time rounds planned in one policy pass with other requests' rounds due "
+                               "in the same step (same eviction parameters)",
     "reconstructions": "Contexts reconstructed for KVzip scores (kvzip, contour_kvzip), by hidden requests that "
                        "repeat them",
     "reconstruction_tokens": "Tokens the reconstructions computed (their repeat tokens, and the context where it "

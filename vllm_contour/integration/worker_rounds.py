@@ -1,6 +1,7 @@
-"""The step's eviction rounds on a worker, after the forward (all layers' KV written). Each round is planned
-completely on its own first (policy, allocation, layout, moment pages, bounds; nothing written): a plan
-that fails leaves its request exactly as it was and is reported ``plan_failed``. Then the bytes of all
+"""The step's eviction rounds on a worker, after the forward (all layers' KV written). Every round is planned
+first (policy, allocation, layout, moment pages, bounds; nothing written; decode-time rounds with the same
+eviction parameters in one policy pass, each plan the one its request gets alone): a plan that fails leaves its
+request exactly as it was and is reported ``plan_failed``. Then the bytes of all
 planned rounds move together (``evictor.apply_rounds``: one compaction per layer for every request due in
 the step); a failure from there on is reported ``recompute`` for the rounds that moved bytes in place and
 their state is dropped, so the scheduler recomputes them densely. Nothing here raises into vLLM's engine
@@ -16,7 +17,7 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_contour import ops
-from vllm_contour.evictor import FaultInjected, RoundPlan, apply_rounds, clear_moment_pages, plan_round
+from vllm_contour.evictor import RoundPlan, RoundRequest, apply_rounds, clear_moment_pages, plan_rounds
 from vllm_contour.integration.faults import FaultSwitch
 from vllm_contour.integration.metrics import ContourStats
 from vllm_contour.integration.reports import Noop, Outcome, PlanFailed, Recompute, Round
@@ -52,7 +53,7 @@ class WorkerRounds:
             report: dict[str, Outcome], stats: ContourStats) -> None:
         """Plan every round, move the planned ones together (a round the test-only fault switch fails while
         applying is moved on its own), put each request's outcome into ``report``."""
-        planned = [p for p in (self._plan(item, views, scale, layers, report) for item in items) if p is not None]
+        planned = self._plan_all(items, views, scale, layers, report, stats)
         alone = [p for p in planned if self.faults.hit("apply", p[0].req_id, p[0].seq)]
         batch = [p for p in planned if not any(p is a for a in alone)]
         for group, fail_at in [(batch, None)] + [([p], 0) for p in alone]:
@@ -84,19 +85,53 @@ class WorkerRounds:
                                                      recent_window=params.recent_window)
         return pol
 
+    def _plan_all(self, items: list[RoundItem], views: Views, scale: float, layers, report: dict,
+                  stats: ContourStats) -> list:
+        """Plan every round: decode-time rounds with the same eviction parameters as one (``plan_rounds``: each
+        request's input, its kept tokens and tail, is alive until the joint selection), first rounds and the
+        rounds of a group whose joint plan fails one by one (so a failure stays with its request); a round the
+        test-only fault switch fails is reported failed."""
+        groups: dict[tuple, list[RoundItem]] = {}
+        alone = []
+        for item in items:
+            if self.faults.hit("plan", item.req_id, item.seq):
+                report[item.req_id] = PlanFailed(item.seq, "FaultInjected: fault switch: plan failed")
+            elif worker_state().state_for(item.req_id).layout is None:  # a first round reads the whole prompt
+                alone.append(item)
+            else:  # decode-time rounds (inputs of the budget's size) with equal parameters
+                groups.setdefault((repr(item.params), item.budget), []).append(item)
+        planned = []
+        for group in groups.values():
+            if len(group) == 1:
+                alone += group
+                continue
+            try:
+                plans = plan_rounds(views, [self._request(item) for item in group], group[0].params,
+                                    group[0].budget, scale, self._policy(group[0].params), layers)
+            except Exception:
+                alone += group
+                continue
+            stats.add("rounds_planned_together", len(group))
+            for item, plan in zip(group, plans):
+                if plan is None:
+                    report[item.req_id] = Noop(item.seq)
+                else:
+                    planned.append((item, plan, plan.seconds))
+        return planned + [p for p in (self._plan(item, views, scale, layers, report) for item in alone)
+                          if p is not None]
+
+    def _request(self, item: RoundItem) -> RoundRequest:
+        rs = worker_state().state_for(item.req_id)
+        queries, qpos = rs.ring.layer_queries() if rs.ring is not None else (None, None)
+        recon = round_scores(item) if self._policy(item.params).needs_reconstruction else None
+        return RoundRequest(item.block_ids, item.num_tokens, rs.layout, queries, qpos, item.fresh_ids, recon)
+
     def _plan(self, item: RoundItem, views: Views, scale: float, layers, report: dict):
         """-> ``(item, plan, seconds)``, or None with the outcome reported (nothing to evict, or failed)."""
-        rs = worker_state().state_for(item.req_id)
         t0 = time.perf_counter()
         try:
-            if self.faults.hit("plan", item.req_id, item.seq):
-                raise FaultInjected("fault switch: plan failed")
-            queries, qpos = rs.ring.layer_queries() if rs.ring is not None else (None, None)
-            policy = self._policy(item.params)
-            recon = round_scores(item) if policy.needs_reconstruction else None
-            plan = plan_round(views, item.block_ids, item.num_tokens, item.params, item.budget, scale,
-                              prev=rs.layout, queries=queries, query_positions=qpos, policy=policy,
-                              fresh_ids=item.fresh_ids, layers=layers, reconstruction=recon)
+            (plan,) = plan_rounds(views, [self._request(item)], item.params, item.budget, scale,
+                                  self._policy(item.params), layers)
         except Exception as e:
             report[item.req_id] = PlanFailed(item.seq, f"{type(e).__name__}: {e}")
             return None

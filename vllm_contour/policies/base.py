@@ -12,6 +12,7 @@ selector picks the tokens. Nothing here imports vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -114,6 +115,22 @@ class LayerInputs:
     def context_mask(self) -> torch.Tensor:
         """``[H, T]`` bool: the keys of the scoring context (tokens before ``context_end``, no padding)."""
         return self.key_positions() < self.context_end
+
+    def row_slice(self, a: int, b: int, context_end: int | None = None) -> LayerInputs:
+        """Rows ``[a, b)`` (KV heads; their GQA groups' queries) as an input of their own, with the same context
+        end as the whole (``context_end``: the whole's, when the caller has it already)."""
+        g = 0 if self.queries is None else self.queries.shape[0] // self.num_kv_heads
+
+        def rows(x):
+            return x if x is None or x.dim() == 0 or (x.dim() == 1 and x.shape[0] != self.num_kv_heads) else x[a:b]
+
+        pos = self.positions if self.positions is None or self.positions.dim() == 1 else self.positions[a:b]
+        budget = self.budget_pages[a:b] if isinstance(self.budget_pages, torch.Tensor) else self.budget_pages
+        return dataclasses.replace(
+            self, keys=self.keys[a:b], values=self.values[a:b], positions=pos, valid=rows(self.valid),
+            queries=None if self.queries is None else self.queries[a * g:b * g], head_pages=rows(self.head_pages),
+            prior=rows(self.prior), reconstruction=rows(self.reconstruction), budget_pages=budget,
+            window_end=self.context_end if context_end is None else context_end)
 
     @property
     def is_ragged(self) -> bool:

@@ -9,18 +9,20 @@ have different candidates (a decode-time round: head h looks at its own kept tok
 each head is scored on its own (a scorer only ever sees one head's keys, with their original
 positions), then the scores are padded into one ``[H, N]`` row set and allocated and selected together.
 Scorers are per KV head, so both give the same result when the heads' candidates are the same.
+``plan_rows`` (every layer of a request) and ``plan_requests`` (several requests) run the pipeline in
+``planner``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 from dataclasses import dataclass
 
 import torch
 
-from .base import Allocator, LayerBudget, LayerInputs, Scorer, Selection, Selector
+from .base import Allocator, LayerInputs, Scorer, Selection, Selector
+from .planner import plan_requests
 
 
 @dataclass
@@ -113,38 +115,14 @@ class Policy:
     def plan_rows(self, inp: LayerInputs, totals: list[int], heads_per_layer: int) -> list[Selection]:
         """Several layers at once: rows ``[l * H, (l + 1) * H)`` of ``inp`` are layer ``inp.layer_idx + l``
         (``H = heads_per_layer``), which keeps ``totals[l]`` head-pages. One scorer call scores every row
-        (scorers work per KV head); allocation and selection run per layer."""
-        h = heads_per_layer
-        n_layers = len(totals)
-        if inp.num_kv_heads != h * n_layers:
-            raise ValueError(f"{inp.num_kv_heads} rows for {n_layers} layers of {h} heads")
-        if inp.region_len == 0:
-            return [Selection([torch.empty(0, dtype=torch.int64) for _ in range(h)]) for _ in range(n_layers)]
-        forced = self.forced_mask(inp)
-        floors = self._floors(forced, inp, n_layers)
-        views = [_layer_view(inp, layer, h) for layer in range(n_layers)]
-        layer_totals = [self.layer_total_pages(totals[layer], view, floors[layer]) for layer, view in enumerate(views)]
-        share = torch.tensor([t // h for t in layer_totals], dtype=torch.int64).repeat_interleave(h)
-        inp = dataclasses.replace(inp, budget_pages=share)
-        scores = self._score(self.scorer, inp)
-        alloc_scores = scores if self.alloc_scorer is None else self._score(self.alloc_scorer, inp)
-        pages = []
-        for layer, view in enumerate(views):
-            rows = slice(layer * h, (layer + 1) * h)
-            views[layer] = dataclasses.replace(view, budget_pages=layer_totals[layer])
-            budget = LayerBudget(total_pages=layer_totals[layer], floor_pages=floors[layer], forced=forced[rows])
-            pages.append(self.allocator.allocate(alloc_scores[rows], views[layer], budget))
-        ranked = self._ranked(scores, forced, inp)
-        if getattr(self.selector, "rowwise", False):  # every layer's rows in one call
-            kept = self.selector.select(ranked, torch.cat(pages), inp)
-        else:
-            kept = [k for layer, view in enumerate(views)
-                    for k in self.selector.select(ranked[layer * h:(layer + 1) * h], pages[layer], view)]
-        self._check(torch.cat(pages), kept, inp)
-        keep_scores = self.accumulates
-        return [Selection(kept=kept[layer * h:(layer + 1) * h],
-                          scores=[scores[r, kept[r]] for r in range(layer * h, (layer + 1) * h)] if keep_scores else None)
-                for layer in range(n_layers)]
+        (scorers work per KV head); allocation and selection run per layer (``planner``)."""
+        return self.plan_requests([inp], [totals], heads_per_layer)[0]
+
+    def plan_requests(self, inputs: list[LayerInputs], totals: list[list[int]],
+                      heads_per_layer: int) -> list[list[Selection]]:
+        """``plan_rows`` of several requests at once (``planner.plan_requests``): each keeps what it keeps
+        planned alone."""
+        return plan_requests(self, inputs, totals, heads_per_layer)
 
     @staticmethod
     def _ranked(scores: torch.Tensor, forced: torch.Tensor, inp: LayerInputs) -> torch.Tensor:
@@ -185,22 +163,6 @@ def _past() -> int:
     from .base import _PAST
 
     return _PAST
-
-
-def _layer_view(inp: LayerInputs, layer: int, h: int) -> LayerInputs:
-    """Rows of one layer of a multi-layer input (what allocators and selectors see)."""
-    rows = slice(layer * h, (layer + 1) * h)
-
-    def sl(x):
-        return None if x is None else (x[rows] if x.dim() >= 2 or x.shape[0] == inp.num_kv_heads else x)
-
-    pos = inp.positions
-    if pos is not None and pos.dim() == 2:
-        pos = pos[rows]
-    return dataclasses.replace(inp, keys=inp.keys[rows], values=inp.values[rows], positions=pos,
-                               prior=sl(inp.prior), reconstruction=sl(inp.reconstruction), head_pages=None if inp.head_pages is None else inp.head_pages[rows],
-                               valid=None if inp.valid is None else inp.valid[rows], queries=None,
-                               query_positions=None, budget_pages=None, layer_idx=inp.layer_idx + layer)
 
 
 def fold_heads(heads: list[LayerInputs]) -> LayerInputs:

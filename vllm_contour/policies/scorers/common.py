@@ -65,14 +65,33 @@ def window_attention(inp: LayerInputs) -> torch.Tensor:
         s = max(0, min(t, int(qpos.min()) + 1)) if qpos.numel() else t
         logits[:, :, s:].masked_fill_(torch.arange(s, t).view(1, 1, -1) > qpos.view(1, w, 1), float("-inf"))
     else:  # one mask per KV head, shared by its GQA group; padding lies past every query
-        future = inp.key_positions().unsqueeze(1) > qpos.view(1, w, 1)  # [H, W, T]
-        logits.view(h, g, w, t).masked_fill_(future.unsqueeze(1), float("-inf"))
+        kp = inp.key_positions()
+        late = (kp > qpos.min()).any(dim=0).nonzero()  # columns before the first of these hide from no query
+        if late.numel():
+            s = int(late[0])
+            future = kp[:, s:].unsqueeze(1) > qpos.view(1, w, 1)  # [H, W, T - s]
+            logits.view(h, g, w, t)[..., s:].masked_fill_(future.unsqueeze(1), float("-inf"))
     return torch.softmax(logits, dim=-1)
+
+
+_CHUNK_BYTES = 4 << 20  # window logits of a few MB at a time stay in cache (and in memory already mapped)
 
 
 def window_mass(inp: LayerInputs) -> torch.Tensor:
     """Attention mass ``[H, region_len]`` the window queries pay to each candidate: summed over the
-    window, averaged over the query heads of a GQA group. Zeros when the window is empty (and on padding)."""
+    window, averaged over the query heads of a GQA group. Zeros when the window is empty (and on padding).
+    Rows are scored a few at a time (each row's mass depends on its own keys and queries only)."""
+    h = inp.num_kv_heads
+    w = 0 if inp.queries is None else inp.queries.shape[0] * inp.queries.shape[1]
+    chunks = -(-w * inp.num_tokens * 4 // _CHUNK_BYTES)
+    if chunks <= 1 or h <= 1:
+        return _window_mass(inp)
+    per = -(-h // min(chunks, h))
+    ce = inp.context_end
+    return torch.cat([_window_mass(inp.row_slice(a, min(h, a + per), ce)) for a in range(0, h, per)])
+
+
+def _window_mass(inp: LayerInputs) -> torch.Tensor:
     attn = window_attention(inp)  # [Hq, W, T]
     mass = gqa_mean(attn.sum(dim=1), inp.num_kv_heads)  # [H, T]
     return mass[:, : inp.region_len]

@@ -1,0 +1,143 @@
+"""The policy pipeline over the rows of one or several requests: score -> allocate -> select.
+
+Rows ``[l * H, (l + 1) * H)`` of a request's input are its layer ``layer_idx + l``. Each request's rows
+are scored on their own (one scorer call per request: scorers work per KV head, and a request's window
+queries and context end are its own). Allocation runs per (request, layer), in one call over all of them
+when the allocator splits pages by the heads' candidates alone (``allocate_groups``); a rowwise selector
+sees every request's rows in one call (padding past a request's region ranks last). So several requests
+planned together keep exactly what each keeps planned alone, with the per-layer Python paid once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from .base import LayerBudget, LayerInputs, Selection
+
+if TYPE_CHECKING:
+    from .policy import Policy
+
+
+@dataclass
+class _Rows:
+    """One request's rows after scoring."""
+
+    inp: LayerInputs
+    h: int
+    floors: list[int]
+    totals: list[int]  # head-pages of each layer (after any layer schedule)
+    forced: torch.Tensor  # [L * H, region_len]
+    scores: torch.Tensor
+    alloc_scores: torch.Tensor
+    views: dict[int, LayerInputs] = field(default_factory=dict)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.totals)
+
+    def view(self, layer: int) -> LayerInputs:
+        """What an allocator or a selector sees of one layer (built when one asks)."""
+        if layer not in self.views:
+            self.views[layer] = dataclasses.replace(layer_view(self.inp, layer, self.h),
+                                                    budget_pages=self.totals[layer])
+        return self.views[layer]
+
+
+def plan_requests(policy: Policy, inputs: list[LayerInputs], totals: list[list[int]],
+                  heads_per_layer: int) -> list[list[Selection]]:
+    """Request r (``inputs[r]``, rows of ``len(totals[r])`` layers) keeps ``totals[r][l]`` head-pages in
+    its layer l (before any layer schedule); -> each request's selections, layer by layer."""
+    h = heads_per_layer
+    rows = [_score(policy, inp, t, h) for inp, t in zip(inputs, totals)]
+    live = [r for r in rows if r is not None]
+    pages = _allocate(policy, live)
+    kept = _select(policy, live, pages)
+    out, it = [], iter(zip(live, pages, kept))
+    for inp, t in zip(inputs, totals):
+        if inp.region_len == 0:
+            out.append([Selection([torch.empty(0, dtype=torch.int64) for _ in range(h)]) for _ in t])
+            continue
+        r, p, k = next(it)
+        policy._check(p, k, inp)
+        out.append([Selection(kept=k[layer * h:(layer + 1) * h],
+                              scores=[r.scores[i, k[i]] for i in range(layer * h, (layer + 1) * h)]
+                              if policy.accumulates else None)
+                    for layer in range(r.n_layers)])
+    return out
+
+
+def _score(policy: Policy, inp: LayerInputs, totals: list[int], h: int) -> _Rows | None:
+    n_layers = len(totals)
+    if inp.num_kv_heads != h * n_layers:
+        raise ValueError(f"{inp.num_kv_heads} rows for {n_layers} layers of {h} heads")
+    if inp.region_len == 0:
+        return None
+    forced = policy.forced_mask(inp)
+    floors = policy._floors(forced, inp, n_layers)
+    if getattr(policy.allocator, "layer_total_pages", None) is not None:  # a layer schedule (PyramidKV)
+        totals = [policy.layer_total_pages(totals[layer], layer_view(inp, layer, h), floors[layer])
+                  for layer in range(n_layers)]
+    share = torch.tensor([t // h for t in totals], dtype=torch.int64).repeat_interleave(h)
+    scored = dataclasses.replace(inp, budget_pages=share)
+    scores = policy._score(policy.scorer, scored)
+    alloc = scores if policy.alloc_scorer is None else policy._score(policy.alloc_scorer, scored)
+    return _Rows(inp, h, floors, list(totals), forced, scores, alloc)
+
+
+def _allocate(policy: Policy, rows: list[_Rows]) -> list[torch.Tensor]:
+    """``[L * H]`` pages of each request."""
+    groups = getattr(policy.allocator, "allocate_groups", None)
+    if groups is not None and rows:  # one call over every (request, layer)
+        h = rows[0].h
+        caps = torch.cat([r.inp.head_caps() for r in rows]).view(-1, h)
+        pages = groups(caps, torch.tensor([t for r in rows for t in r.totals], dtype=torch.int64),
+                       torch.tensor([f for r in rows for f in r.floors], dtype=torch.int64)).reshape(-1)
+        return list(torch.split(pages, [r.inp.num_kv_heads for r in rows]))
+    out = []
+    for r in rows:
+        per_layer = []
+        for layer in range(r.n_layers):
+            sl = slice(layer * r.h, (layer + 1) * r.h)
+            budget = LayerBudget(total_pages=r.totals[layer], floor_pages=r.floors[layer], forced=r.forced[sl])
+            per_layer.append(policy.allocator.allocate(r.alloc_scores[sl], r.view(layer), budget))
+        out.append(torch.cat(per_layer))
+    return out
+
+
+def _select(policy: Policy, rows: list[_Rows], pages: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Each request's kept indices, row by row."""
+    ranked = [policy._ranked(r.scores, r.forced, r.inp) for r in rows]
+    if getattr(policy.selector, "rowwise", False) and rows:  # every request's rows in one call
+        width = max(x.shape[1] for x in ranked)
+        padded = torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1]), value=-float("inf")) for x in ranked])
+        kept = policy.selector.select(padded, torch.cat(pages), rows[0].inp)
+        out, a = [], 0
+        for r in rows:
+            out.append(kept[a:a + r.inp.num_kv_heads])
+            a += r.inp.num_kv_heads
+        return out
+    return [[k for layer in range(r.n_layers)
+             for k in policy.selector.select(x[layer * r.h:(layer + 1) * r.h], p[layer * r.h:(layer + 1) * r.h],
+                                             r.view(layer))]
+            for r, x, p in zip(rows, ranked, pages)]
+
+
+def layer_view(inp: LayerInputs, layer: int, h: int) -> LayerInputs:
+    """Rows of one layer of a multi-layer input (what allocators and selectors see)."""
+    rows = slice(layer * h, (layer + 1) * h)
+
+    def sl(x):
+        return None if x is None else (x[rows] if x.dim() >= 2 or x.shape[0] == inp.num_kv_heads else x)
+
+    pos = inp.positions
+    if pos is not None and pos.dim() == 2:
+        pos = pos[rows]
+    return dataclasses.replace(inp, keys=inp.keys[rows], values=inp.values[rows], positions=pos,
+                               prior=sl(inp.prior), reconstruction=sl(inp.reconstruction),
+                               head_pages=None if inp.head_pages is None else inp.head_pages[rows],
+                               valid=None if inp.valid is None else inp.valid[rows], queries=None,
+                               query_positions=None, budget_pages=None, layer_idx=inp.layer_idx + layer)
