@@ -51,6 +51,7 @@ class StepRows:
     max_seq_len: int  # host upper bound of any row's length
     with_moments: bool  # some request of the step keeps moments
     _expanded: tuple | None = field(default=None, repr=False)
+    _span: tuple | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +62,18 @@ class StepRows:
         harmless context as long as their own query (their output is overwritten)."""
         b = self.row_req.numel()
         return torch.where(self.row_req >= 0, self.q_lens.to(seq_lens.dtype), seq_lens[:b])
+
+    def compacted_span(self) -> tuple[int, int] | None:
+        """``(start, stop)`` when the step's compacted tokens are the tokens ``[start, stop)`` (a decode batch of
+        compacted requests side by side), else None; from the expanded tables, once per step."""
+        exp = self.tables_for_cpu()
+        if exp is None:
+            return None
+        if self._span is None:
+            tok = exp[0]
+            a, b = int(tok[0]), int(tok[-1]) + 1
+            self._span = (a, b) if b - a == tok.numel() else ()
+        return self._span or None
 
     def tables_for_cpu(self):
         """Per-token page tables for kernels that take them (``ops.ragged_decode_attention``), expanded once

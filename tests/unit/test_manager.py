@@ -128,3 +128,29 @@ def test_outside_vllms_config_the_spec_follows_what_the_models_impls_recorded(po
         assert isinstance(ContourCPUAttentionBackend.customize_spec(full), EvictingAttentionSpec) == (policy != "none")
     finally:
         worker_state().evicting = False
+
+
+def test_a_layers_cache_views_are_built_once_per_cache_tensor():
+    """The impl keeps its layer's key / value views: the same cache tensor gives the same views (no layout
+    probe per step), a new cache tensor (another allocation, shape or dtype) gives views of that one."""
+    from vllm_contour.integration.backend import ContourImpl
+
+    built = []
+
+    class Impl(ContourImpl):
+        def __init__(self):
+            pass
+
+        @staticmethod
+        def kv_views(kv_cache):
+            built.append(kv_cache)
+            return kv_cache[..., :2], kv_cache[..., 2:]
+
+    impl = Impl()
+    a, b = torch.zeros(4, 2, 8, 4), torch.zeros(4, 2, 8, 4)
+    first = impl._layer_views(a)
+    assert impl._layer_views(a) is first and len(built) == 1
+    kb, _ = impl._layer_views(b)
+    assert kb.data_ptr() == b.data_ptr() and len(built) == 2
+    assert impl._layer_views(a.view(4, 2, 4, 8))[0].shape == (4, 2, 4, 2) and len(built) == 3
+    assert impl._layer_views(a.view(torch.int32))[0].dtype == torch.int32 and len(built) == 4

@@ -137,3 +137,96 @@ def test_capture_staging_rows():
     want[6 + 2: 6 + 6] = [0, 1, 2, 3]
     want[18: 21] = [4, 5, 6]
     assert cap.dst.tolist() == want
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_compacted_attention_writes_each_token_of_the_step_its_own_rows(mixed):
+    """``ops.compacted_attention`` over a step's rows: compacted requests side by side (their tokens one span:
+    read and written as slices) or between ordinary rows (gathered and scattered) give every compacted token
+    the reference attention over its own table, and leave every ordinary row's output as it was."""
+    from vllm_contour import ops
+    from vllm_contour.ops.reference import ragged_decode_attention_ref
+
+    from tests.unit.ops_cases import make_cache
+
+    rnd = random.Random(31 + mixed)
+    free = list(range(1, NB))
+    rnd.shuffle(free)
+    flags = [True, False, True, True, False] if mixed else [True] * 4
+    reqs = [make_request(rnd, f"r{i}", free, L, H, BS, compacted=c) for i, c in enumerate(flags)]
+    pt = PageTables(L, H, BS, NB)
+    for r in reqs:
+        if r.layout is not None:
+            pt.put(r.req_id, r.layout)
+    rows, _ = _check_step(pt, reqs)
+    tok, idx, table, lens = rows.tables_for_cpu()
+    assert (rows.compacted_span() is None) == mixed
+    assert mixed or rows.compacted_span() == (0, tok.numel())
+    _, k, v = make_cache("cpu_rows", NB, H, BS, 8, torch.float32, seed=32)
+    n = rows.num_tokens
+    q = torch.randn(n, H * 2, 8, generator=torch.Generator().manual_seed(33))
+    for layer in range(L):
+        out = torch.full((n, H * 2, 8), 5.0)
+        ops.compacted_attention(q, k, v, rows, layer, 0.3, out=out)
+        want, _ = ragged_decode_attention_ref(q[tok], k, v, table[layer], lens[layer], 0.3)
+        torch.testing.assert_close(out[tok], want, rtol=1e-5, atol=1e-5)
+        others = torch.ones(n, dtype=torch.bool)
+        others[tok] = False
+        assert bool(others.any()) == mixed and bool((out[others] == 5.0).all())
+
+
+@pytest.mark.parametrize("flags", [[True] * 3, [True, True, False, True], [False, True, True], [True, True, False]])
+def test_vllms_kernel_runs_only_for_a_step_with_tokens_that_are_not_compacted(flags, monkeypatch):
+    """The CPU impl leaves vLLM's attention kernel out when every token of the step is a compacted request's
+    (the compacted attention writes every output row; vLLM writes the cache apart): the outputs are the
+    compacted attention's. With an ordinary row anywhere in the step (between, before or after the compacted
+    ones) vLLM's kernel runs and that row keeps its output."""
+    mixed = not all(flags)
+    from types import SimpleNamespace
+
+    from vllm_contour.integration import backend
+    from vllm_contour.integration.state import StepAttention, worker_state
+    from vllm_contour.ops.reference import ragged_decode_attention_ref
+
+    from tests.unit.ops_cases import make_cache
+
+    rnd = random.Random(41 + len(flags))
+    free = list(range(1, NB))
+    rnd.shuffle(free)
+    reqs = [make_request(rnd, f"r{i}", free, L, H, BS, compacted=c) for i, c in enumerate(flags)]
+    pt = PageTables(L, H, BS, NB)
+    for r in reqs:
+        if r.layout is not None:
+            pt.put(r.req_id, r.layout)
+    rows, _ = _check_step(pt, reqs)
+    _, k, v = make_cache("cpu_rows", NB, H, BS, 8, torch.float32, seed=42)
+    calls = []
+
+    class VllmImpl:  # stands in for vLLM's CPU impl: its kernel writes 7 everywhere
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a):
+            calls.append(layer.layer_name)
+            output.fill_(7.0)
+            return output
+
+    class Impl(backend.ContourImpl, VllmImpl):
+        num_heads, head_size, scale = H * 2, 8, 0.3
+        kv_views = staticmethod(lambda kv_cache: (k, v))
+        _compacted_only = staticmethod(backend.ContourCPUAttentionImpl._compacted_only)
+
+        def __init__(self):
+            pass
+
+    st = worker_state()
+    monkeypatch.setattr(st, "step", StepAttention(rows, None))
+    monkeypatch.setattr(st, "layer_index", {"l1": 1})
+    n = rows.num_tokens
+    q = torch.randn(n, H * 2 * 8, generator=torch.Generator().manual_seed(43))
+    out = torch.full((n, H * 2 * 8), 5.0)
+    Impl().forward(SimpleNamespace(layer_name="l1"), q, None, None, torch.zeros(1), SimpleNamespace(num_actual_tokens=n), out)
+    assert calls == (["l1"] if mixed else [])
+    tok, _, table, lens = rows.tables_for_cpu()
+    want, _ = ragged_decode_attention_ref(q.view(n, H * 2, 8)[tok], k, v, table[1], lens[1], 0.3)
+    torch.testing.assert_close(out.view(n, H * 2, 8)[tok], want, rtol=1e-5, atol=1e-5)
+    others = torch.ones(n, dtype=torch.bool)
+    others[tok] = False
+    assert bool(others.any()) == mixed and bool((out[others] == 7.0).all())

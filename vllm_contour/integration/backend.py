@@ -102,15 +102,16 @@ class ContourImpl:
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                              output_scale, output_block_scale)
         st = worker_state()
         step = st.step
-        if attn_metadata is None or step is None:
-            return out
-        layer_idx = st.layer_index.get(layer.layer_name)
+        layer_idx = None if attn_metadata is None or step is None else st.layer_index.get(layer.layer_name)
+        if layer_idx is None or step.rows is None or output_scale is not None or output_block_scale is not None \
+                or not self._compacted_only(step.rows, attn_metadata):
+            output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                     output_scale, output_block_scale)
         if layer_idx is None:
-            return out
+            return output
+        out = output
         q3 = query.view(query.shape[0], self.num_heads, self.head_size)
         if step.capture is not None:
             try:
@@ -122,15 +123,30 @@ class ContourImpl:
         return out
 
     @staticmethod
+    def _compacted_only(rows, attn_metadata) -> bool:
+        """True when every token of the step is a compacted request's and vLLM's forward does nothing else
+        than attention (its KV writes run apart): the compacted attention then writes every output row and
+        vLLM's kernel is not run. False here (vLLM's forward always runs); backends override it."""
+        return False
+
+    @staticmethod
     def _stage(q3, cap, layer_idx: int) -> None:
         n = cap.dst.numel()
         buf = q3.new_zeros((cap.total + 1, *q3.shape[1:]))
         buf.index_copy_(0, cap.dst, q3[:n])
         worker_state().staged[layer_idx] = buf[: cap.total]
 
+    def _layer_views(self, kv_cache):
+        """``kv_views(kv_cache)``, built once per cache tensor (the layer's impl keeps the last one)."""
+        key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
+        cached = getattr(self, "_contour_views", None)
+        if cached is None or cached[0] != key:
+            cached = self._contour_views = (key, self.kv_views(kv_cache))
+        return cached[1]
+
     def _compacted(self, q3, kv_cache, rows, layer_idx: int, output) -> None:
         st = worker_state()
-        key_cache, value_cache = self.kv_views(kv_cache)
+        key_cache, value_cache = self._layer_views(kv_cache)
         n = rows.num_tokens
         out3 = output[:n].view(n, self.num_heads, self.head_size)
         last = None
@@ -180,6 +196,17 @@ class ContourCPUMetadataBuilder(ContourBuilder, CPUAttentionMetadataBuilder):
 
 class ContourCPUAttentionImpl(ContourImpl, CPUAttentionBackendImpl):
     kv_views = staticmethod(layer_kv_views)
+
+    @staticmethod
+    def _compacted_only(rows, attn_metadata) -> bool:
+        # vLLM's CPU forward of decoder attention is its kernel alone when the backend declares its KV writes
+        # apart (do_kv_cache_update); the span is known on the host, from the tables the builder expanded
+        if CPUAttentionBackend.forward_includes_kv_cache_update:
+            return False
+        try:
+            return rows.compacted_span() == (0, attn_metadata.num_actual_tokens)
+        except Exception:  # never into vLLM: its kernel runs
+            return False
 
 
 class ContourCPUAttentionBackend(ContourBackend, CPUAttentionBackend):

@@ -148,6 +148,11 @@ def _compacted_by_tables(query, key_cache, value_cache, rows, layer: int, scale,
         return out
     tok, idx, table, lens = exp
     mom = None if moments is None else {k: v[idx] for k, v in moments.items()}
+    span = rows.compacted_span()
+    if span is not None and out is not None:  # the tokens side by side: slices, the result straight into out
+        ragged_decode_attention(query[span[0]:span[1]], key_cache, value_cache, table[layer], lens[layer], scale,
+                                moments=mom, impl=inner, out=out[span[0]:span[1]], **extra)
+        return out
     o, _ = ragged_decode_attention(query[tok], key_cache, value_cache, table[layer], lens[layer], scale,
                                    moments=mom, impl=inner, **extra)
     out[tok] = o.to(out.dtype)
