@@ -139,6 +139,20 @@ def test_capture_staging_rows():
     assert cap.dst.tolist() == want
 
 
+def _step_of(flags, seed):
+    """The checked rows of one step over requests made from ``flags`` (True: compacted), pages shuffled."""
+    rnd = random.Random(seed)
+    free = list(range(1, NB))
+    rnd.shuffle(free)
+    reqs = [make_request(rnd, f"r{i}", free, L, H, BS, compacted=c) for i, c in enumerate(flags)]
+    pt = PageTables(L, H, BS, NB)
+    for r in reqs:
+        if r.layout is not None:
+            pt.put(r.req_id, r.layout)
+    rows, _ = _check_step(pt, reqs)
+    return rows
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 def test_compacted_attention_writes_each_token_of_the_step_its_own_rows(mixed):
     """``ops.compacted_attention`` over a step's rows: compacted requests side by side (their tokens one span:
@@ -149,16 +163,8 @@ def test_compacted_attention_writes_each_token_of_the_step_its_own_rows(mixed):
 
     from tests.unit.ops_cases import make_cache
 
-    rnd = random.Random(31 + mixed)
-    free = list(range(1, NB))
-    rnd.shuffle(free)
     flags = [True, False, True, True, False] if mixed else [True] * 4
-    reqs = [make_request(rnd, f"r{i}", free, L, H, BS, compacted=c) for i, c in enumerate(flags)]
-    pt = PageTables(L, H, BS, NB)
-    for r in reqs:
-        if r.layout is not None:
-            pt.put(r.req_id, r.layout)
-    rows, _ = _check_step(pt, reqs)
+    rows = _step_of(flags, seed=31 + mixed)
     tok, idx, table, lens = rows.tables_for_cpu()
     assert (rows.compacted_span() is None) == mixed
     assert mixed or rows.compacted_span() == (0, tok.numel())
@@ -190,15 +196,7 @@ def test_vllms_kernel_runs_only_for_a_step_with_tokens_that_are_not_compacted(fl
 
     from tests.unit.ops_cases import make_cache
 
-    rnd = random.Random(41 + len(flags))
-    free = list(range(1, NB))
-    rnd.shuffle(free)
-    reqs = [make_request(rnd, f"r{i}", free, L, H, BS, compacted=c) for i, c in enumerate(flags)]
-    pt = PageTables(L, H, BS, NB)
-    for r in reqs:
-        if r.layout is not None:
-            pt.put(r.req_id, r.layout)
-    rows, _ = _check_step(pt, reqs)
+    rows = _step_of(flags, seed=41 + len(flags))
     _, k, v = make_cache("cpu_rows", NB, H, BS, 8, torch.float32, seed=42)
     calls = []
 

@@ -111,7 +111,6 @@ class ContourImpl:
                                      output_scale, output_block_scale)
         if layer_idx is None:
             return output
-        out = output
         q3 = query.view(query.shape[0], self.num_heads, self.head_size)
         if step.capture is not None:
             try:
@@ -120,7 +119,7 @@ class ContourImpl:
                 logger.warning("kv_eviction: could not capture window queries (%s)", e)
         if step.rows is not None:
             self._compacted(q3, kv_cache, step.rows, layer_idx, output)
-        return out
+        return output
 
     @staticmethod
     def _compacted_only(rows, attn_metadata) -> bool:

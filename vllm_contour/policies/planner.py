@@ -11,12 +11,13 @@ planned together keep exactly what each keeps planned alone, with the per-layer 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from .base import LayerBudget, LayerInputs, Selection
+from .base import LayerBudget, LayerInputs, Scorer, Selection
 
 if TYPE_CHECKING:
     from .policy import Policy
@@ -62,7 +63,7 @@ def plan_requests(policy: Policy, inputs: list[LayerInputs], totals: list[list[i
             out.append([Selection([torch.empty(0, dtype=torch.int64) for _ in range(h)]) for _ in t])
             continue
         r, p, k = next(it)
-        policy._check(p, k, inp)
+        _check(p, k, inp)
         out.append([Selection(kept=k[layer * h:(layer + 1) * h],
                               scores=[r.scores[i, k[i]] for i in range(layer * h, (layer + 1) * h)]
                               if policy.accumulates else None)
@@ -77,14 +78,14 @@ def _score(policy: Policy, inp: LayerInputs, totals: list[int], h: int) -> _Rows
     if inp.region_len == 0:
         return None
     forced = policy.forced_mask(inp)
-    floors = policy._floors(forced, inp, n_layers)
+    floors = layer_floors(forced, inp, n_layers)
     if getattr(policy.allocator, "layer_total_pages", None) is not None:  # a layer schedule (PyramidKV)
         totals = [policy.layer_total_pages(totals[layer], layer_view(inp, layer, h), floors[layer])
                   for layer in range(n_layers)]
     share = torch.tensor([t // h for t in totals], dtype=torch.int64).repeat_interleave(h)
     scored = dataclasses.replace(inp, budget_pages=share)
-    scores = policy._score(policy.scorer, scored)
-    alloc = scores if policy.alloc_scorer is None else policy._score(policy.alloc_scorer, scored)
+    scores = _run_scorer(policy.scorer, scored)
+    alloc = scores if policy.alloc_scorer is None else _run_scorer(policy.alloc_scorer, scored)
     return _Rows(inp, h, floors, list(totals), forced, scores, alloc)
 
 
@@ -110,7 +111,7 @@ def _allocate(policy: Policy, rows: list[_Rows]) -> list[torch.Tensor]:
 
 def _select(policy: Policy, rows: list[_Rows], pages: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Each request's kept indices, row by row."""
-    ranked = [policy._ranked(r.scores, r.forced, r.inp) for r in rows]
+    ranked = [_ranked(r.scores, r.forced, r.inp) for r in rows]
     if getattr(policy.selector, "rowwise", False) and rows:  # every request's rows in one call
         width = max(x.shape[1] for x in ranked)
         padded = torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1]), value=-float("inf")) for x in ranked])
@@ -124,6 +125,50 @@ def _select(policy: Policy, rows: list[_Rows], pages: list[torch.Tensor]) -> lis
              for k in policy.selector.select(x[layer * r.h:(layer + 1) * r.h], p[layer * r.h:(layer + 1) * r.h],
                                              r.view(layer))]
             for r, x, p in zip(rows, ranked, pages)]
+
+
+def layer_floors(forced: torch.Tensor, inp: LayerInputs, n_layers: int) -> list[int]:
+    """Each layer's floor (rows ``[l * H, (l + 1) * H)``): the pages its most-forced head needs, at least
+    one, at most its widest head's candidates."""
+    if not inp.num_kv_heads:
+        return [0] * n_layers
+    h = inp.num_kv_heads // n_layers
+    need = forced.sum(dim=1).view(n_layers, h).amax(dim=1).tolist() if forced.numel() else [0] * n_layers
+    caps = inp.head_caps().view(n_layers, h).amax(dim=1).tolist()
+    return [min(c, max(1, math.ceil(n / inp.page_size))) for n, c in zip(need, caps)]
+
+
+def _run_scorer(scorer: Scorer, inp: LayerInputs) -> torch.Tensor:
+    scores = scorer.score(inp).to(torch.float32)
+    if scores.shape != (inp.num_kv_heads, inp.region_len):
+        raise ValueError(f"scorer {type(scorer).__name__} returned {tuple(scores.shape)}, "
+                         f"expected {(inp.num_kv_heads, inp.region_len)}")
+    return scores
+
+
+def _ranked(scores: torch.Tensor, forced: torch.Tensor, inp: LayerInputs) -> torch.Tensor:
+    """What the selector ranks: forced tokens first; in a ragged input padding last, whatever a candidate
+    scored."""
+    ranked = scores.masked_fill(forced, float("inf"))
+    if inp.is_ragged:
+        finite_min = torch.finfo(ranked.dtype).min
+        ranked = torch.where(inp.candidate_mask(), ranked.nan_to_num(nan=finite_min, neginf=finite_min),
+                             torch.full_like(ranked, -float("inf")))
+    return ranked
+
+
+def _check(pages: torch.Tensor, kept: list[torch.Tensor], inp: LayerInputs) -> None:
+    """Every row's pages within its candidates, and the selector kept exactly that many of them."""
+    caps = inp.head_caps()
+    if bool((pages > caps).any()) or bool((pages < 0).any()):
+        raise AssertionError(f"allocator gave pages {pages.tolist()} outside the heads' candidates "
+                             f"{caps.tolist()}")
+    counts = torch.tensor([k.numel() for k in kept], dtype=torch.int64)
+    if not torch.equal(counts, pages.to(torch.int64) * inp.page_size):
+        raise AssertionError(f"selector kept {counts.tolist()} tokens per row, expected "
+                             f"{(pages * inp.page_size).tolist()}")
+    if counts.sum() and bool((torch.cat(kept) >= (caps * inp.page_size).repeat_interleave(counts)).any()):
+        raise AssertionError("selector kept a padding entry")
 
 
 def layer_view(inp: LayerInputs, layer: int, h: int) -> LayerInputs:

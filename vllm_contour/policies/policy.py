@@ -16,13 +16,12 @@ Scorers are per KV head, so both give the same result when the heads' candidates
 from __future__ import annotations
 
 import inspect
-import math
 from dataclasses import dataclass
 
 import torch
 
 from .base import Allocator, LayerInputs, Scorer, Selection, Selector
-from .planner import plan_requests
+from .planner import layer_floors, plan_requests
 
 
 @dataclass
@@ -75,18 +74,7 @@ class Policy:
 
     def floor_pages(self, inp: LayerInputs) -> int:
         """Pages every head needs to hold its forced tokens (at least one)."""
-        return self._floors(self.forced_mask(inp), inp, 1)[0]
-
-    @staticmethod
-    def _floors(forced: torch.Tensor, inp: LayerInputs, n_layers: int) -> list[int]:
-        """Each layer's floor (rows ``[l * H, (l + 1) * H)``): the pages its most-forced head needs, at least
-        one, at most its widest head's candidates."""
-        if not inp.num_kv_heads:
-            return [0] * n_layers
-        h = inp.num_kv_heads // n_layers
-        need = forced.sum(dim=1).view(n_layers, h).amax(dim=1).tolist() if forced.numel() else [0] * n_layers
-        caps = inp.head_caps().view(n_layers, h).amax(dim=1).tolist()
-        return [min(c, max(1, math.ceil(n / inp.page_size))) for n, c in zip(need, caps)]
+        return layer_floors(self.forced_mask(inp), inp, 1)[0]
 
     def layer_total_pages(self, base_total: int, inp: LayerInputs, floor: int | None = None) -> int:
         """The layer's page budget; allocators with a layer schedule (PyramidKV) override it. A schedule
@@ -124,38 +112,6 @@ class Policy:
         planned alone."""
         return plan_requests(self, inputs, totals, heads_per_layer)
 
-    @staticmethod
-    def _ranked(scores: torch.Tensor, forced: torch.Tensor, inp: LayerInputs) -> torch.Tensor:
-        """What the selector ranks: forced tokens first; in a ragged input padding last, whatever a candidate
-        scored."""
-        ranked = scores.masked_fill(forced, float("inf"))
-        if inp.is_ragged:
-            finite_min = torch.finfo(ranked.dtype).min
-            ranked = torch.where(inp.candidate_mask(), ranked.nan_to_num(nan=finite_min, neginf=finite_min),
-                                 torch.full_like(ranked, -float("inf")))
-        return ranked
-
-    @staticmethod
-    def _check(pages: torch.Tensor, kept: list[torch.Tensor], inp: LayerInputs) -> None:
-        """Every row's pages within its candidates, and the selector kept exactly that many of them."""
-        caps = inp.head_caps()
-        if bool((pages > caps).any()) or bool((pages < 0).any()):
-            raise AssertionError(f"allocator gave pages {pages.tolist()} outside the heads' candidates "
-                                 f"{caps.tolist()}")
-        counts = torch.tensor([k.numel() for k in kept], dtype=torch.int64)
-        if not torch.equal(counts, pages.to(torch.int64) * inp.page_size):
-            raise AssertionError(f"selector kept {counts.tolist()} tokens per row, expected "
-                                 f"{(pages * inp.page_size).tolist()}")
-        if counts.sum() and bool((torch.cat(kept) >= (caps * inp.page_size).repeat_interleave(counts)).any()):
-            raise AssertionError("selector kept a padding entry")
-
-    @staticmethod
-    def _score(scorer: Scorer, inp: LayerInputs) -> torch.Tensor:
-        scores = scorer.score(inp).to(torch.float32)
-        if scores.shape != (inp.num_kv_heads, inp.region_len):
-            raise ValueError(f"scorer {type(scorer).__name__} returned {tuple(scores.shape)}, "
-                             f"expected {(inp.num_kv_heads, inp.region_len)}")
-        return scores
 
 
 
