@@ -46,6 +46,8 @@ from vllm_contour.ops.cpu_layout import cpu_kv_views  # noqa: E402
 from benchmarks import stamp
 
 LAYERS, H, G, D, BS = 30, 3, 3, 64, 32
+# compaction's yardsticks: a memcpy of the kept bytes (K and V), and of the cache lines the moves must read
+REFERENCES = ("memcpy", "memcpy_read")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -117,6 +119,19 @@ def eviction_moves(tokens: int, keep: float, rnd: random.Random):
     return compaction_indices(kept, lay.page_ids[0], region_source_table(block_ids, H), BS)
 
 
+def read_lines(kv: torch.Tensor, key_layout, page: torch.Tensor, off: torch.Tensor) -> int:
+    """Bytes of the 64-byte cache lines that hold a key or value element of the tokens ``(page, off)``
+    (head-pages of ``kv``): what moving them must read, whatever the layout packs beside them."""
+    h, bs = kv.shape[1], kv.shape[2]
+    idx = torch.arange(kv.numel(), dtype=torch.int64).view(kv.shape)
+    lines = []
+    for v in cpu_kv_views(idx, key_layout):
+        b, hh = page // h, page % h
+        el = v[b, hh, off] if v.dim() == 4 else v[b, hh, off // v.shape[3], off % v.shape[3]]
+        lines.append(el.reshape(-1) * kv.element_size() // 64)
+    return int(torch.unique(torch.cat(lines)).numel()) * 64
+
+
 def bench_compaction(tokens: int, keep: float, dtype, key_layout: str, reps: int, impls: list[str]):
     rnd = random.Random(tokens)
     kvs, views = make_layers(tokens, dtype, key_layout)
@@ -124,12 +139,17 @@ def bench_compaction(tokens: int, keep: float, dtype, key_layout: str, reps: int
     m_total = sum(int(mv[0].numel()) for mv in moves)
     esize = torch.empty(0, dtype=dtype).element_size()
     kept_bytes = [2 * int(mv[0].numel()) * D * esize for mv in moves]
+    read_bytes = [read_lines(kv, key_layout, mv[0], mv[1]) for kv, mv in zip(kvs, moves)]
     src = [torch.empty(b, dtype=torch.uint8).random_() for b in kept_bytes]
     dst = [torch.empty(b, dtype=torch.uint8) for b in kept_bytes]
+    src_r = [torch.empty(b, dtype=torch.uint8).random_() for b in read_bytes]
+    dst_r = [torch.empty(b, dtype=torch.uint8) for b in read_bytes]
 
-    def memcpy():
-        for s, d in zip(src, dst):
-            d.copy_(s)
+    def copies(pairs):
+        def f():
+            for s, d in pairs:
+                d.copy_(s)
+        return f
 
     def run(impl):
         def f():
@@ -137,14 +157,22 @@ def bench_compaction(tokens: int, keep: float, dtype, key_layout: str, reps: int
                 ops.compact(k, v, *mv, impl=impl)
         return f
 
-    fns = {"memcpy": memcpy, **{impl: run(impl) for impl in impls}}
+    fns = {"memcpy": copies(list(zip(src, dst))), "memcpy_read": copies(list(zip(src_r, dst_r))),
+           **{impl: run(impl) for impl in impls}}
     res = bench(fns, reps)
     nbytes = sum(kept_bytes)
-    out = {"tokens": tokens, "keep": keep, "moves": m_total, "kept_bytes": nbytes, "times": res}
+    out = {"tokens": tokens, "keep": keep, "moves": m_total, "kept_bytes": nbytes, "read_bytes": sum(read_bytes),
+           "times": res}
     for k in fns:
         out.setdefault("gbps", {})[k] = nbytes / (res[k]["cpu_ms"] * 1e-3) / 1e9
         out.setdefault("fraction_of_memcpy", {})[k] = res["memcpy"]["cpu_ms"] / res[k]["cpu_ms"]
+        out.setdefault("fraction_of_read_memcpy", {})[k] = res["memcpy_read"]["cpu_ms"] / res[k]["cpu_ms"]
     return out
+
+
+def compaction_impls(row: dict) -> list[str]:
+    """The implementations of a compaction row (not its memcpy yardsticks)."""
+    return [k for k in row["times"] if k not in REFERENCES]
 
 
 def vllm_native_decode(vllm, kvs, n_tokens: int, q, dtype, scale: float):
@@ -271,9 +299,12 @@ def plot(result: dict, path: Path):
     fig, ax = plt.subplots(1, 3 if cvf else 2, figsize=(18 if cvf else 12, 4.5))
     for keep in sorted({r["keep"] for r in result["compaction"]}):
         rows = [r for r in result["compaction"] if r["keep"] == keep]
-        for impl in [k for k in rows[0]["fraction_of_memcpy"] if k != "memcpy"]:
+        for impl in compaction_impls(rows[0]):
             ax[0].plot([r["tokens"] for r in rows], [r["fraction_of_memcpy"][impl] for r in rows], "o-",
                        label=f"{impl}, keep {keep:g}")
+            if "fraction_of_read_memcpy" in rows[0]:
+                ax[0].plot([r["tokens"] for r in rows], [r["fraction_of_read_memcpy"][impl] for r in rows],
+                           "x--", label=f"{impl}, keep {keep:g}, vs the lines read")
     ax[0].axhline(1.0, color="gray", ls=":", label="memcpy")
     ax[0].set(xscale="log", xlabel="prompt tokens per head", ylabel="throughput / memcpy throughput",
               title=f"compaction ({LAYERS} layers, {result['config']['dtype']})")
@@ -304,15 +335,21 @@ def plot(result: dict, path: Path):
 
 def table(result: dict) -> str:
     lines = [f"compaction, {LAYERS} layers, {result['config']['dtype']}, key layout "
-             f"{result['config']['key_layout']} (CPU ms, median; fraction = memcpy time / op time)"]
-    impls = [k for k in result["compaction"][0]["times"] if k != "memcpy"]
+             f"{result['config']['key_layout']} (CPU ms, median; fraction = memcpy time / op time; "
+             f"'read': a memcpy of the bytes of every cache line holding a kept token)"]
+    comp = result["compaction"]
+    impls = compaction_impls(comp[0])
+    read = "read_bytes" in comp[0]
     lines.append(f"{'tokens':>7} {'keep':>5} {'MB kept':>8} {'memcpy':>8} " +
-                 " ".join(f"{i:>8} {'frac':>5}" for i in impls))
-    for r in result["compaction"]:
+                 (f"{'MB read':>8} {'memcpy':>8} " if read else "") +
+                 " ".join(f"{i:>8} {'frac':>5}" + (f" {'read':>5}" if read else "") for i in impls))
+    for r in comp:
         t = r["times"]
         lines.append(f"{r['tokens']:>7} {r['keep']:>5.2f} {r['kept_bytes'] / 1e6:>8.2f} "
                      f"{t['memcpy']['cpu_ms']:>8.2f} " +
-                     " ".join(f"{t[i]['cpu_ms']:>8.2f} {r['fraction_of_memcpy'][i]:>5.2f}" for i in impls))
+                     (f"{r['read_bytes'] / 1e6:>8.2f} {t['memcpy_read']['cpu_ms']:>8.2f} " if read else "") +
+                     " ".join(f"{t[i]['cpu_ms']:>8.2f} {r['fraction_of_memcpy'][i]:>5.2f}" +
+                              (f" {r['fraction_of_read_memcpy'][i]:>5.2f}" if read else "") for i in impls))
     dec = result["decode"]
     impls = list(dec[0]["times"])
     lines.append("")

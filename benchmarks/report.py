@@ -271,8 +271,10 @@ def render_perplexity(runs: list[tuple[str, dict]]) -> str:
 def render_ops(runs: list[tuple[str, dict]]) -> str:
     out = []
     for src, res in runs:
+        from benchmarks.ops import compaction_impls
+
         comp = res["compaction"]
-        impls = [k for k in comp[0]["fraction_of_memcpy"] if k != "memcpy"]
+        impls = compaction_impls(comp[0])
         frac = ", ".join(f"{i} {min(r['fraction_of_memcpy'][i] for r in comp):.2f}–"
                          f"{max(r['fraction_of_memcpy'][i] for r in comp):.2f}" for i in impls)
         rows = []
@@ -291,8 +293,13 @@ def render_ops(runs: list[tuple[str, dict]]) -> str:
                        f"`{cfg['vllm_isa']}`, the C++ decode's path `{ours or 'not recorded'}`")
         out += ([""] if out else []) + [provenance(res, "ops", src) + f" — {cfg['dtype']}, {cfg['threads']} thread(s)"
                                         + machine,
-                "", f"Compaction throughput as a fraction of a plain memcpy of the kept bytes: {frac}.", "",
-                md_table(["decode tokens"] + [f"{i} / vLLM native" for i in dec_impls], rows)]
+                "", f"Compaction throughput as a fraction of a plain memcpy of the kept bytes: {frac}.", ""]
+        if "read_bytes" in comp[0]:  # per point, also against a memcpy of the cache lines the moves read
+            crow = [[r["tokens"], r["keep"], r["kept_bytes"] / 1e6, r["read_bytes"] / 1e6] +
+                    [r[f][i] for i in impls for f in ("fraction_of_memcpy", "fraction_of_read_memcpy")] for r in comp]
+            out += [md_table(["tokens", "keep", "MB kept", "MB of lines read"] +
+                             [f"{i} / memcpy of {w}" for i in impls for w in ("kept", "lines read")], crow), ""]
+        out += [md_table(["decode tokens"] + [f"{i} / vLLM native" for i in dec_impls], rows)]
         cvf = res.get("compacted_vs_full") or []
         if cvf:
             keys = [k for k in cvf[0]["ratio_to_uncompacted"]]

@@ -937,6 +937,8 @@ inline void move_columns(const Columns& c, const Window& w, const int64_t* so, i
 
 // Moves run in their order, one thread, up to this many; more are split over threads in any order.
 constexpr int64_t kOrderedMoves = 8192;
+// compaction asks for a row's source this many moves ahead (a run's source page: kPrefetchPages runs ahead)
+constexpr int64_t kPrefetchRows = 8;
 
 // Which moves read a slot that another move writes first ("clobbered" sources)? Only those go through a
 // temporary buffer; every other source is read in place. Moves run in order (ordered): a source is
@@ -1086,6 +1088,8 @@ void compact_kernel(const Tensor& kc, const Tensor& vc, const int64_t* sp, const
 #pragma omp parallel for schedule(static) if (M > kOrderedMoves)
       for (int64_t k = 0; k < R; ++k) {
         const ColumnRun& run = runs[k];
+        if (k + kPrefetchPages < R && sp[runs[k + kPrefetchPages].i0] != sp[runs[k + kPrefetchPages - 1].i0])
+          prefetch_half(X, sp[runs[k + kPrefetchPages].i0]);
         if (run.r == 1) {
           one(run.i0);
           continue;
@@ -1103,8 +1107,17 @@ void compact_kernel(const Tensor& kc, const Tensor& vc, const int64_t* sp, const
 #pragma omp parallel for schedule(static) if (C > 8192)
       for (int64_t i = 0; i < M; ++i) aside(i);
     }
+    // rows of a contiguous D elements: the source row kPrefetchRows moves ahead asked for
+    const bool flat_rows = X.flat_dims() && X.cs2 == 1;
+    const int64_t row_bytes = D * static_cast<int64_t>(sizeof(U));
 #pragma omp parallel for schedule(static) if (M > kOrderedMoves)
-    for (int64_t i = 0; i < M; ++i) one(i);
+    for (int64_t i = 0; i < M; ++i) {
+      if (flat_rows && i + kPrefetchRows < M) {
+        const char* a = reinterpret_cast<const char*>(X.base + xs[i + kPrefetchRows]);
+        for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(a + o, 0, 3);
+      }
+      one(i);
+    }
   }
 }
 
