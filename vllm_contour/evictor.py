@@ -30,7 +30,7 @@ from vllm_contour import ops
 from vllm_contour.budget import PageBudget
 from vllm_contour.config import RequestEviction
 from vllm_contour.layout import RequestLayout, compaction_indices, plan_layout, region_source_table
-from vllm_contour.ops.paged import dims, gather_pages
+from vllm_contour.ops.paged import dims
 from vllm_contour.policies import LayerInputs, Policy, Selection, build_policy
 
 
@@ -263,7 +263,7 @@ def _finish(caches, prep: _Prepared, sels: list[Selection], policy: Policy, budg
 
 def _gather(caches, side: int, ids: torch.Tensor, rows: int, width: int) -> torch.Tensor:
     """Head-pages ``ids`` of every layer's key (``side`` 0) or value (1) cache as ``[rows, width, D]``."""
-    return gather_pages([c[side] for c in caches], ids).view(rows, width, -1)
+    return ops.gather_pages([c[side] for c in caches], ids).view(rows, width, -1)
 
 
 def _first_round_inputs(caches, blocks, num_tokens, e_new, block_ids, h, scale, q_all, query_positions,

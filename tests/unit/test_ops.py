@@ -149,6 +149,48 @@ def test_accumulate_moments_matches_moments_module(cpp):
     torch.testing.assert_close(got["n"], ref.n)
 
 
+# ------------------------------------------------------------------------------------- gather_pages
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_pages_matches_reference(cpp, layout, dtype):
+    """Head-pages of every layer into ``[L, M, bs, D]`` rows in logical order, whatever the page layout
+    (rows, key columns, AMX packing, interleaved heads): equal to the torch reference bit for bit, with one
+    id list for every layer or one per layer (repeats and any order)."""
+    layers = [make_cache(layout, NB, H, BS, D, dtype, seed=20 + i) for i in range(3)]
+    g = torch.Generator().manual_seed(21)
+    for ids in (torch.randint(0, NB * H, (7,), generator=g), torch.randint(0, NB * H, (3, 5), generator=g).int(),
+                torch.tensor([4, 4, 0, NB * H - 1])):
+        for side in (1, 2):  # keys, values
+            views = [c[side] for c in layers]
+            want = ops.gather_pages(views, ids, impl="torch")
+            got = ops.gather_pages(views, ids, impl=cpp)
+            assert got.shape == (3, ids.shape[-1], BS, D) and got.dtype == dtype
+            assert torch.equal(got, want)
+            blk, lane = divmod(int(ids.view(-1)[-1]), H)  # the last page by hand
+            assert torch.equal(want[-1, -1].float(), views[-1][blk, lane].reshape(BS, D).float())
+
+
+def test_gather_pages_follows_a_forced_implementation_only_where_it_has_it(cpp, monkeypatch):
+    """``VLLM_CONTOUR_OPS_IMPL=torch`` runs torch's copy; ``triton`` (the CUDA ops, none for this copy) leaves
+    the best one available (here the C++ one) instead of failing; an explicit ``impl`` it lacks fails."""
+    views = [make_cache("cpu_keyT", NB, H, BS, D, seed=23)[1]]
+    ids = torch.tensor([1, 2])
+    for forced, used in (("torch", "torch"), ("triton", cpp)):
+        monkeypatch.setenv("VLLM_CONTOUR_OPS_IMPL", forced)
+        before = dict(ops.CALLS)
+        ops.gather_pages(views, ids)
+        assert {k: n - before.get(k, 0) for k, n in ops.CALLS.items() if n != before.get(k, 0)} == \
+            {("gather_pages", used): 1}
+    with pytest.raises(ValueError, match="gather_pages"):
+        ops.gather_pages(views, ids, impl="triton")
+
+
+def test_gather_pages_names_a_page_outside_the_cache(cpp):
+    views = [make_cache("cpu_keyT", NB, H, BS, D, seed=22)[1]]
+    with pytest.raises(RuntimeError, match=f"page id {NB * H}"):
+        ops.gather_pages(views, torch.tensor([0, NB * H]), impl=cpp)
+
+
 # -------------------------------------------------------------------------- ragged_decode_attention
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)

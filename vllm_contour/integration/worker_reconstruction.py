@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from vllm_contour import ops
 from vllm_contour.integration.state import ReconItem, RoundItem, worker_state
-from vllm_contour.ops.paged import dims, gather_pages
+from vllm_contour.ops.paged import dims
 from vllm_contour.policies.scorers.kvzip import reconstruction_max
 
 SINKS = 4  # kvpress's KVzipPress scores its first 4 context tokens 1 (kept as attention sinks)
@@ -34,7 +35,7 @@ def fold(item: ReconItem, positions: torch.Tensor, queries: torch.Tensor,
     blocks = torch.tensor(item.block_ids, dtype=torch.int64)
     ids = (blocks.view(1, -1) * h + torch.arange(h).view(-1, 1)).reshape(-1).to(queries.device)
     last = int(positions.max()) + 1
-    keys = gather_pages([k for k, _ in views], ids).view(num_layers, h, -1, d)[:, :, :last]
+    keys = ops.gather_pages([k for k, _ in views], ids).view(num_layers, h, -1, d)[:, :, :last]
     s, e = item.span
     for layer in range(num_layers):
         got = reconstruction_max(queries[layer].transpose(0, 1), positions, keys[layer], item.span,

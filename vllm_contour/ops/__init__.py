@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .paged import copy_blocks_ref
+from .paged import copy_blocks_ref, gather_pages_ref
 from .reference import (accumulate_moments_ref, compact_ref, dense_attention_ref, load_moments_ref,
                         ragged_decode_attention_ref, store_moments_ref)
 
@@ -35,6 +35,7 @@ _IMPLS: dict[str, list[tuple[str, Callable, Callable[..., bool]]]] = {
     "store_moments": [],
     "load_moments": [],
     "copy_blocks": [],
+    "gather_pages": [],
     "compacted_attention": [],
 }
 
@@ -56,6 +57,7 @@ register_impl("ragged_decode_attention", "torch", ragged_decode_attention_ref, l
 register_impl("store_moments", "torch", store_moments_ref, lambda dev, **kw: True)
 register_impl("load_moments", "torch", load_moments_ref, lambda dev, **kw: True)
 register_impl("copy_blocks", "torch", copy_blocks_ref, lambda dev, **kw: True)
+register_impl("gather_pages", "torch", gather_pages_ref, lambda dev, **kw: True)
 
 _TRITON_TRIED = False
 
@@ -137,6 +139,19 @@ def copy_blocks(caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tup
         return
     fn = _pick("copy_blocks", impl, caches[0][0].device.type, key_cache=caches[0][0])
     fn(caches, pairs)
+
+
+def gather_pages(views: list[torch.Tensor], ids: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+    """Head-pages ``ids`` (``block * H + lane``; ``[M]`` for every layer, or ``[L, M]``) of every layer's cache
+    view (one layout) in logical order: a new ``[L, M, bs, D]`` tensor (what scoring reads). A plain copy:
+    ``VLLM_CONTOUR_OPS_IMPL`` picks the implementation only where it names one of this op's (on CUDA, torch's
+    indexing)."""
+    dev = views[0].device.type
+    if impl is None:
+        names = available("gather_pages", dev, key_cache=views[0])
+        forced = os.environ.get("VLLM_CONTOUR_OPS_IMPL") or None
+        impl = forced if forced in names else names[0]
+    return _pick("gather_pages", impl, dev, key_cache=views[0])(views, ids)
 
 
 def _compacted_by_tables(query, key_cache, value_cache, rows, layer: int, scale, moments=None, out=None,
@@ -226,5 +241,5 @@ from . import cpu_ext as _cpu_ext  # noqa: E402,F401  (registers "cpp" when vllm
 # the engine do not meet "vllm_cpu"'s stride condition. VLLM_CONTOUR_OPS_IMPL forces one implementation.
 
 __all__ = ["compact", "accumulate_moments", "ragged_decode_attention", "store_moments", "load_moments",
-           "clear_pages", "implementations", "register_impl", "available", "copy_blocks",
+           "clear_pages", "implementations", "register_impl", "available", "copy_blocks", "gather_pages",
            "compact_ref", "accumulate_moments_ref", "ragged_decode_attention_ref", "dense_attention_ref"]

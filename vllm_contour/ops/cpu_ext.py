@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from . import register_impl
+from .paged import dims
 
 _REPO = Path(__file__).resolve().parents[2]
 SOURCES = [_REPO / "csrc" / "contour_ops.cpp"]
@@ -80,6 +81,7 @@ def _register(mod) -> None:
     _compact = mod.compact.default
     _accumulate = mod.accumulate_moments.default
     _decode = mod.ragged_decode_attention.default
+    _gather = mod.gather_pages.default
 
     def compact(key_cache, value_cache, src_page, src_off, dst_page, dst_off):
         _compact(key_cache, value_cache, src_page, src_off, dst_page, dst_off)
@@ -98,7 +100,14 @@ def _register(mod) -> None:
                                moments["sum_k"], moments["sum_v"], moments["sum_vk"])
         return out, lse
 
+    def gather_pages(views, ids):
+        _, _, bs, d = dims(views[0])
+        out = torch.empty((len(views), ids.shape[-1], bs, d), dtype=views[0].dtype)
+        _gather(views, ids, out)
+        return out
+
     register_impl("compact", "cpp", compact, _cpu)
+    register_impl("gather_pages", "cpp", gather_pages, _cpu)
     register_impl("accumulate_moments", "cpp", accumulate_moments, _cpu)
     register_impl("ragged_decode_attention", "cpp", ragged_decode_attention, _cpu)
 

@@ -43,7 +43,7 @@ def pages(c: torch.Tensor, blk, lane=None) -> torch.Tensor:
     return p.reshape(*p.shape[:-4], bs, d)
 
 
-def gather_pages(views: list[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+def gather_pages_ref(views: list[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
     """Head-pages ``ids`` (``block * H + lane``; ``[M]`` for every layer, or ``[L, M]``) of every layer's cache
     view in logical order, one new tensor ``[L, M, bs, D]``: one copy per layer (an ``index_select`` straight
     into the result where a view's blocks and lanes merge into one axis, as in vLLM's caches)."""
