@@ -1182,7 +1182,7 @@ template <typename U>
 void gather_kernel(const Cache<U>& X, const int64_t* ids, int64_t M, U* out) {
   const int64_t bs = X.bs, D = X.D;
   const bool rows = X.flat_dims() && X.cs2 == 1, columns = X.flat_dims() && X.ts2 == 1 && X.tg >= bs;
-#pragma omp parallel for schedule(static) if (M * bs * D > (int64_t(1) << 22))
+#pragma omp parallel for schedule(static) if (M * bs * D > (int64_t(1) << 16))
   for (int64_t m = 0; m < M; ++m) {
     const U* src = X.row(ids[m], 0);
     U* dst = out + m * bs * D;
