@@ -269,10 +269,10 @@ def render_perplexity(runs: list[tuple[str, dict]]) -> str:
 
 
 def render_ops(runs: list[tuple[str, dict]]) -> str:
+    from benchmarks.ops import compaction_impls
+
     out = []
     for src, res in runs:
-        from benchmarks.ops import compaction_impls
-
         comp = res["compaction"]
         impls = compaction_impls(comp[0])
         frac = ", ".join(f"{i} {min(r['fraction_of_memcpy'][i] for r in comp):.2f}–"

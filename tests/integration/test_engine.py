@@ -161,17 +161,18 @@ def test_every_preset_runs_query_aware_and_agnostic_and_with_moments(evicting):
 
 def test_fast_ops_give_the_torch_reference_greedy_tokens(evicting, evicting_torch_ops):
     """Real eviction at 64 tokens per head (128 with moment correction), prompt-end and decode-time rounds:
-    the default implementations (C++ compaction, moment accumulation and ragged decode) produce exactly the
-    greedy tokens of the torch reference ops."""
+    the default implementations (C++ compaction, moment accumulation, page gathers and ragged decode) produce
+    exactly the greedy tokens of the torch reference ops."""
     assert evicting["greedy_evicted_rounds"] > 6  # more than one round per request
     fast, ref = evicting["greedy_evicted_calls"], evicting_torch_ops["greedy_evicted_calls"]
     assert fast.get("compact:cpp", 0) > 0 and fast.get("accumulate_moments:cpp", 0) > 0, fast
-    assert fast.get("ragged_decode_attention:cpp", 0) > 0, fast
+    assert fast.get("ragged_decode_attention:cpp", 0) > 0 and fast.get("gather_pages:cpp", 0) > 0, fast
     # moment storage is layout-generic torch by design (a copy of a few pages); every other op is C++
     assert not any(k.endswith(":torch") for k in fast if not k.split(":")[0].endswith("_moments")), fast
     # compacted rows reach the decode op through per-token tables on CPU ("tables", the same with both)
     assert set(ref) == {"compact:torch", "accumulate_moments:torch", "ragged_decode_attention:torch",
-                        "store_moments:torch", "load_moments:torch", "compacted_attention:tables"}, ref
+                        "store_moments:torch", "load_moments:torch", "gather_pages:torch",
+                        "compacted_attention:tables"}, ref
     assert fast.get("compacted_attention:tables", 0) == fast["ragged_decode_attention:cpp"], fast
     out = evicting["greedy_evicted"]
     assert all(v and len(v) == 80 for v in out.values()), out
