@@ -189,7 +189,10 @@ def main() -> None:
                      "pred": x["pred"], "answers": x["answers"], "held_bytes": x["held_bytes"],
                      "record": x["record"]})
     table = ruler_summary(rows)
+    from benchmarks.serving import machine
+
     res = {"model": args.model, "args": vars(args), "kvpress": kv_status, "engine": info, "timings": timings,
+           "host": machine(), "dtype": "float32",  # benchmarks.ruler.run_engine's engine
            "table": table, "rows": rows, "wall_seconds": time.time() - t_start, "date": time.strftime("%Y-%m-%d"),
            "samples": [{k: s[k] for k in ("task", "length", "idx", "context_len", "answers")} for s in samples]}
     (out / "audit.json").write_text(json.dumps(stamp(res), indent=1))

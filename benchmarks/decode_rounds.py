@@ -30,6 +30,9 @@ import time
 from pathlib import Path
 
 from benchmarks import md_table, stamp
+from benchmarks.serving import machine
+
+DTYPE = "float32"  # every engine of the run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,7 +45,7 @@ def worker(spec_path: str, out_path: str) -> None:
 
     from vllm import LLM, SamplingParams
 
-    kw = dict(dtype="float32", enforce_eager=True, block_size=32, enable_prefix_caching=False,
+    kw = dict(dtype=DTYPE, enforce_eager=True, block_size=32, enable_prefix_caching=False,
               max_model_len=spec["prompt_len"] + spec["gen_len"] + 64, num_gpu_blocks_override=spec["pool"],
               max_num_seqs=spec["requests"], seed=0)
     if spec["policy"]:
@@ -157,7 +160,7 @@ def main(argv=None) -> int:
         print(f"{name}: {rows[-1]['wall_s']:.1f} s", flush=True)
     summary = summarise(rows)
     record = stamp({"args": vars(a), "rows": rows, "summary": summary, "wall_s": time.time() - t0,
-                    "host": {"cpus": os.cpu_count()}})
+                    "host": machine(), "dtype": DTYPE})
     (out / "decode_rounds.json").write_text(json.dumps(record, indent=1))
     print(table(summary))
     return 0

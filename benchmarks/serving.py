@@ -33,7 +33,7 @@ its own subprocess, ``additional_config={"kv_eviction": {...}}`` for eviction), 
 scheduler's running count and pool usage sampled from a thread.
 
 Writes ``serving.json`` (every number, the commands, environment, load average), ``serving.md`` (the
-tables), ``throughput.png``, ``timeline.png``, ``raw/`` (vLLM's result files) and ``logs/``.
+tables), ``serving.png`` (``plot_record``), ``raw/`` (vLLM's result files) and ``logs/``.
 
     python -m benchmarks.serving [--quick] [--out DIR] [--output-lens 64 256 512] [--request-rate inf 0.05 0.1]
 
@@ -372,6 +372,37 @@ def install_cleanup() -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
     # SIGINT keeps Python's default (KeyboardInterrupt), which also unwinds through finally + atexit.
+
+
+MACHINE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def parse_lscpu(text: str) -> dict:
+    """``lscpu``'s (or ``/proc/cpuinfo``'s) text -> ``{"cpu_model", "flags": {flag: bool}}`` for the flags that
+    decide vLLM's CPU kernels and the dtype (``MACHINE_FLAGS``); ``cpu_model`` None when the text has none."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if ":" in line:
+            k, v = line.split(":", 1)
+            fields.setdefault(k.strip().lower(), v.strip())
+    flags = set(fields.get("flags", "").split())
+    return {"cpu_model": fields.get("model name") or None, "flags": {f: f in flags for f in MACHINE_FLAGS}}
+
+
+def machine() -> dict:
+    """The machine a result ran on, for its JSON: ``lscpu``'s model name, the flags of ``MACHINE_FLAGS``, the
+    CPU count and the 1/5/15-min load average now (``/proc/cpuinfo`` when ``lscpu`` is missing)."""
+    text = ""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if "flags" not in text.lower():
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            text = ""
+    return {**parse_lscpu(text), "cpus": os.cpu_count(), "loadavg": list(os.getloadavg())}
 
 
 def child_env(kv_space_gib: int) -> dict[str, str]:
@@ -796,71 +827,131 @@ def run_offline(cfg: dict, opts, out: Path, model_dir: str, env: dict, record: d
 # ----------------------------------------------------------------------------------------------------
 
 
-def make_plots(rows: list[dict], offline: list[dict], out: Path) -> list[str]:
+POINT_KEYS = ("pool", "output_len", "request_rate")
+POINT_NAMES = {"pool": "KV pool (blocks)", "output_len": "output tokens per request",
+               "request_rate": "arrivals per second"}
+
+
+def _key(r: dict) -> tuple:
+    return tuple(str(r.get(k, "inf")) for k in POINT_KEYS)
+
+
+def _closed(rate) -> bool:
+    return rate is None or str(rate) in ("inf", "Infinity") or (isinstance(rate, float) and math.isinf(rate))
+
+
+def plot_panels(record: dict) -> list[tuple[str, str]]:
+    """What ``plot_record`` draws for a serving record: ``(kind, title)`` per panel. Where the run has several
+    points (pools, output lengths or arrival rates) a ``sweep`` row: eviction / stock output tokens/s and the
+    running requests (mean and peak) against the one that varies; then, for every point (and the offline
+    batch) with a polled timeline, a ``timeline`` row: running requests and KV blocks held over time, stock
+    against eviction. A run of one point has no sweep row: a single point on a line axis says nothing."""
+    rows = record.get("runs") or []
+    vary = [k for k in POINT_KEYS if len({str(r.get(k)) for r in rows}) > 1]
+    panels = []
+    if vary:
+        x = vary[0]
+        panels += [("sweep", f"eviction / stock output tok/s against {POINT_NAMES[x]}"),
+                   ("sweep", f"running requests against {POINT_NAMES[x]}")]
+    for key in dict.fromkeys(_key(r) for r in rows if r.get("timeline")):
+        pool, L, rate = key
+        where = f"pool {pool}, {L} out" + ("" if _closed(rate) else f", {rate} req/s")
+        panels += [("timeline", f"running requests, {where}"), ("timeline", f"KV blocks held, {where}")]
+    if any(o.get("timeline") for o in record.get("offline") or []):
+        panels += [("timeline", "running requests, offline LLM.generate"),
+                   ("timeline", "KV blocks held, offline LLM.generate")]
+    return panels
+
+
+def plot_record(record: dict, path: Path) -> list[tuple[str, str]]:
+    """Draw ``plot_panels(record)`` into ``path`` (two panels a row); -> the panels drawn. KV blocks held =
+    ``vllm:kv_cache_usage_perc`` x (pool - 1): vLLM's usage leaves out the null block."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    files = []
-    all_rows = rows
-    rows = [r for r in rows if math.isinf(r.get("request_rate", math.inf))]  # throughput vs L: closed loop
-    pools = sorted({r["pool"] for r in rows})
-    configs = list(dict.fromkeys(r["config"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for pool in pools:
-        for c in configs:
-            rr = sorted((r for r in rows if r["pool"] == pool and r["config"] == c), key=lambda r: r["output_len"])
-            if rr:
-                axes[0].plot([r["output_len"] for r in rr], [r["output_throughput"] for r in rr], "o-",
-                             label=f"{c} (pool {pool})")
-        ratios = ratio_table([r for r in rows if r["pool"] == pool])
-        for c in configs[1:]:
-            rr = sorted((r for r in ratios if r["config"] == c), key=lambda r: r["output_len"])
-            if rr:
-                axes[1].plot([r["output_len"] for r in rr], [r["output_throughput"] for r in rr], "o-",
-                             label=f"{c}/stock output tok/s (pool {pool})")
-                axes[1].plot([r["output_len"] for r in rr], [r["peak_running"] for r in rr], "s--",
-                             label=f"{c}/stock peak running (pool {pool})")
-    axes[0].set_xlabel("output tokens per request")
-    axes[0].set_ylabel("output tokens/s")
-    axes[0].set_title("Serving throughput (2K-token prompts)")
-    axes[0].legend(fontsize=8)
-    axes[1].axhline(1.0, color="gray", lw=0.8)
-    axes[1].set_xlabel("output tokens per request")
-    axes[1].set_ylabel("eviction / stock")
-    axes[1].set_title("Ratio eviction / stock")
-    axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "throughput.png", dpi=110)
-    plt.close(fig)
-    files.append("throughput.png")
+    panels = plot_panels(record)
+    if not panels:
+        return []
+    rows = record.get("runs") or []
+    ratios = record.get("ratios") or ratio_table(rows)
+    fig, axes = plt.subplots(len(panels) // 2, 2, figsize=(11, 3.1 * (len(panels) // 2)), squeeze=False)
+    axes = [ax for pair in axes for ax in pair]
+    i = 0
+    vary = [k for k in POINT_KEYS if len({str(r.get(k)) for r in rows}) > 1]
+    if vary:
+        x, rest = vary[0], vary[1:]
+        xs = sorted({str(r.get(x)) for r in rows}, key=lambda v: (float(v) if v not in ("inf", "None") else 1e18))
+        numeric = all(v not in ("inf", "None") for v in xs)
+        pos = {v: (float(v) if numeric else j) for j, v in enumerate(xs)}
 
-    rows = all_rows
-    keys = sorted({(r["pool"], r["output_len"], r.get("request_rate", math.inf)) for r in rows})
-    panels = keys + ([("offline", None)] if offline else [])
-    fig, axes = plt.subplots(len(panels), 2, figsize=(11, 2.6 * len(panels)), squeeze=False)
-    for i, key in enumerate(panels):
-        series = ([(o["config"], o["timeline"]) for o in offline] if key[0] == "offline" else
-                  [(r["config"], r["timeline"]) for r in rows
-                   if (r["pool"], r["output_len"], r.get("request_rate", math.inf)) == key])
-        title = ("offline LLM.generate" if key[0] == "offline" else
-                 f"serve, pool {key[0]}, L={key[1]}" + ("" if math.isinf(key[2]) else f", {key[2]:g} req/s"))
-        for c, tl in series:
-            axes[i][0].step([s["t"] for s in tl], [s["running"] for s in tl], where="post", label=c)
-            axes[i][1].step([s["t"] for s in tl], [100 * s["kv_usage"] for s in tl], where="post", label=c)
-        axes[i][0].set_ylabel("running requests")
-        axes[i][1].set_ylabel("KV usage %")
-        axes[i][0].set_title(title, fontsize=9)
-        axes[i][1].set_title(title, fontsize=9)
-        axes[i][0].legend(fontsize=7)
-    for ax in axes[-1]:
-        ax.set_xlabel("seconds since run start")
+        def series(rs):
+            groups: dict = {}
+            for r in rs:
+                groups.setdefault(tuple(str(r.get(k)) for k in rest), []).append(r)
+            for g, members in groups.items():
+                members.sort(key=lambda r: pos[str(r.get(x))])
+                tag = ", ".join(f"{k} {v}" for k, v in zip(rest, g))
+                yield (f" ({tag})" if tag else ""), [pos[str(r.get(x))] for r in members], members
+
+        ax_r, ax_n = axes[0], axes[1]
+        for c in dict.fromkeys(q["config"] for q in ratios):
+            for tag, px, members in series([q for q in ratios if q["config"] == c]):
+                ax_r.plot(px, [q.get("output_throughput") for q in members], "o-", label=f"{c} / stock{tag}")
+        ax_r.axhline(1.0, color="gray", lw=0.8)
+        ax_r.set_ylabel("output tok/s, eviction / stock")
+        for c in dict.fromkeys(r["config"] for r in rows):
+            for tag, px, members in series([r for r in rows if r["config"] == c]):
+                line = ax_n.plot(px, [r.get("mean_running") for r in members], "o-", label=f"{c} mean{tag}")
+                ax_n.plot(px, [r.get("peak_running") for r in members], "s--", color=line[0].get_color(),
+                          label=f"{c} peak{tag}")
+        ax_n.set_ylabel("running requests")
+        for ax, (_, title) in zip((ax_r, ax_n), panels[:2]):
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel(POINT_NAMES[x])
+            if not numeric:
+                ax.set_xticks(list(pos.values()), [("closed" if v == "inf" else v) for v in xs])
+            ax.legend(fontsize=7)
+        i = 2
+
+    def timeline(tl_series, k):
+        ax_n, ax_b = axes[k], axes[k + 1]
+        for label, tl, pool in tl_series:
+            t = [s_["t"] for s_ in tl]
+            ax_n.step(t, [s_["running"] for s_ in tl], where="post", label=label)
+            ax_b.step(t, [s_["kv_usage"] * (pool - 1) for s_ in tl], where="post", label=label)
+        ax_n.set_ylabel("running requests")
+        ax_b.set_ylabel("KV blocks held")
+        for pl in {p for _, _, p in tl_series}:  # the pool's usable blocks
+            ax_b.axhline(pl - 1, color="gray", lw=0.8, ls=":")
+        for ax, (_, title) in zip((ax_n, ax_b), panels[k:k + 2]):
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("seconds since the first request")
+            ax.legend(fontsize=7)
+
+    by_ratio = {(q["config"],) + _key(q): q for q in ratios}
+    for key in dict.fromkeys(_key(r) for r in rows if r.get("timeline")):
+        tl_series = []
+        for r in rows:
+            if _key(r) == key and r.get("timeline"):
+                q = by_ratio.get((r["config"],) + key)
+                extra = f": {q['output_throughput']:.2f}x stock's out tok/s" if q and q.get("output_throughput") else ""
+                tl_series.append((f"{r['config']}{extra}", r["timeline"], int(r["pool"])))
+        timeline(tl_series, i)
+        i += 2
+    off = [o for o in record.get("offline") or [] if o.get("timeline")]
+    if off:
+        timeline([(o["config"], o["timeline"], int(o["pool"])) for o in off], i)
     fig.tight_layout()
-    fig.savefig(out / "timeline.png", dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    files.append("timeline.png")
-    return files
+    return panels
+
+
+def make_plots(record: dict, out: Path) -> list[str]:
+    """``serving.png`` in ``out``: ``plot_record`` of the run."""
+    return ["serving.png"] if plot_record(record, out / "serving.png") else []
 
 
 ROW_COLS = [("config", "config"), ("pool", "pool"), ("output_len", "L"), ("request_rate", "arrivals/s"),
@@ -990,7 +1081,7 @@ def main(argv=None) -> int:
     configs = [{"name": "stock", "policy": None}] + [{"name": p, "policy": p} for p in opts.policies]
     record: dict[str, Any] = {
         "args": {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf") for k, v in vars(opts).items()},
-        "host": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()},
+        "host": {**machine(), "loadavg_at_start": os.getloadavg()}, "dtype": opts.dtype,
         "commands": [], "servers": [], "runs": [], "ratios": [], "overhead": [], "offline": [],
         "notes": {
             "tpot": "(latency - ttft) / (output_tokens - 1) per request, percentiles with linear interpolation",
@@ -1007,6 +1098,8 @@ def main(argv=None) -> int:
                                         "queueing: a lower bound on the overhead)",
             "kv_usage": "vllm:kv_cache_usage_perc (fraction of the pool) polled every poll_interval s",
             "peak_running": "max of vllm:num_requests_running over the polls",
+            "host": "the machine: lscpu's model name, the flags that pick vLLM's CPU kernels and the dtype, the "
+                    "CPU count and the load average when the run started (loadavg_at_end when it ended)",
             "client": opts.client,
             "VLLM_TARGET_DEVICE": "set to cpu for every child: vllm-contour's version patch hides '+cpu' from "
                                   "vLLM's platform detection (SIGILL in vllm._C on AVX2 otherwise)",
@@ -1052,7 +1145,7 @@ def main(argv=None) -> int:
             record["overhead"] = finalize_overhead(record["runs"], record["servers"])
         if record["runs"] or record["offline"]:
             try:
-                record["plots"] = make_plots(record["runs"], record["offline"], out)
+                record["plots"] = make_plots(record, out)
             except Exception as e:  # a plot failure must not hide the numbers
                 record["plots_error"] = repr(e)
         _save(record, out)

@@ -45,7 +45,7 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks import md_table, stamp
-from benchmarks.serving import (SERVED_NAME, MetricsPoller, Server, child_env, http_get, install_cleanup,
+from benchmarks.serving import (SERVED_NAME, MetricsPoller, Server, child_env, http_get, install_cleanup, machine,
                                 metric, metric_totals)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -263,7 +263,8 @@ def main(argv=None) -> int:
     doc, questions, rooms, codes = workload(tok, opts.facts, opts.doc_tokens, opts.seed, opts.filler)
     env = child_env(1)
     record = stamp({"args": dict(vars(opts), model=model_name), "doc_tokens": len(doc), "rooms": rooms, "codes": codes,
-                    "host": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}, "runs": []},
+                    "host": {**machine(), "loadavg_at_start": os.getloadavg()},
+                    "dtype": server_flags({"prefix": False, "evict": False}, opts, 0)[1], "runs": []},
                    argv if argv is not None else sys.argv[1:])
     t0 = time.time()
     for name in opts.configs.split(","):

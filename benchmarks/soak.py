@@ -37,7 +37,6 @@ import os
 import queue
 import random
 import shlex
-import subprocess
 import threading
 import time
 import urllib.parse
@@ -46,7 +45,8 @@ from pathlib import Path
 
 from benchmarks import md_table, stamp
 from benchmarks.serving import (REPO, SERVED_NAME, Server, child_env, http_get, install_cleanup, metric,
-                                metric_totals, parse_prometheus, percentile, random_token_prompt, serve_flags)
+                                machine, metric_totals, parse_prometheus, percentile, random_token_prompt,
+                                serve_flags)
 
 POLICIES = ("snapkv", "contour", "streaming", "knorm", "h2o", "moment")
 BUDGETS = (64, 96, 128, 200, 256, 512)
@@ -376,15 +376,9 @@ def group_pids(pgid: int) -> list[int]:
 
 
 def host_info() -> dict:
-    info = {"cpus": os.cpu_count(), "cpu_model": None, "isa": {}}
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return info
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    info["cpu_model"] = fields.get("Model name", "").strip() or None
-    flags = set(fields.get("Flags", "").split())
-    info["isa"] = {f: f in flags for f in ("avx2", "avx512f", "amx_bf16")}
+    """``serving.machine()`` plus the ``isa`` map older soak records have."""
+    info = machine()
+    info["isa"] = {f: info["flags"].get(f, False) for f in ("avx2", "avx512f", "amx_bf16")}
     return info
 
 
@@ -476,6 +470,7 @@ def main(argv=None) -> int:
                      invalid_share=opts.invalid_share, cancel_share=opts.cancel_share,
                      abort_share=opts.abort_share)
     record = {"args": vars(opts), "host": {**host_info(), "loadavg_at_start": os.getloadavg()},
+              "dtype": "float32",  # serve_flags' default, which both servers run with
               "plan_kinds": dict(Counter(s["kind"] for s in plan)), "runs": {}, "ratio": None,
               "notes": {"stock": "stock has no kv_ keys: every request's vllm_xargs removed and the invalid "
                                  "requests sent as valid ones, so its latencies cover more requests",

@@ -186,3 +186,57 @@ def test_active_window_trims_idle_edges_and_rebases_time():
     assert w[0]["waiting"] == 3 and w[-1]["running"] == 0
     assert active_window([idle(0.0), idle(1.0)]) == []
     assert [s["t"] for s in active_window([busy(4.0, 1)])] == [0.0]
+
+
+LSCPU = """Architecture:            x86_64
+Model name:              Intel(R) Xeon(R) Processor
+Flags:                   fpu sse2 avx2 avx512f avx512bw avx_vnni avx512_bf16 amx_bf16 amx_tile amx_int8
+"""
+
+
+def test_parse_lscpu_names_the_cpu_and_the_flags_that_pick_kernels_and_dtype():
+    from benchmarks.serving import MACHINE_FLAGS, machine, parse_lscpu
+
+    got = parse_lscpu(LSCPU)
+    assert got == {"cpu_model": "Intel(R) Xeon(R) Processor",
+                   "flags": {"avx2": True, "avx512f": True, "avx512_bf16": True, "amx_bf16": True, "amx_tile": True}}
+    epyc = parse_lscpu("model name\t: AMD EPYC 7B13\nflags\t\t: sse2 avx2 avx512_vnni\n")  # /proc/cpuinfo
+    assert epyc["cpu_model"] == "AMD EPYC 7B13" and [f for f, on in epyc["flags"].items() if on] == ["avx2"]
+    assert parse_lscpu("") == {"cpu_model": None, "flags": {f: False for f in MACHINE_FLAGS}}
+    here = machine()
+    assert set(here) == {"cpu_model", "flags", "cpus", "loadavg"} and len(here["loadavg"]) == 3
+
+
+def _run(config, pool, L, out_tok, mean, t0=0.0):
+    tl = [{"t": t0 + i, "running": r, "kv_usage": u} for i, (r, u) in enumerate([(1, 0.1), (mean, 0.5), (0, 0.0)])]
+    return {"config": config, "pool": pool, "output_len": L, "request_rate": "inf", "output_throughput": out_tok,
+            "peak_running": mean, "mean_running": mean, "timeline": tl}
+
+
+def test_plot_panels_draw_a_sweep_only_where_the_run_has_several_points():
+    from benchmarks.serving import plot_panels
+
+    one = {"runs": [_run("stock", 160, 512, 10.0, 2), _run("snapkv", 160, 512, 40.0, 16)]}
+    one["ratios"] = ratio_table(one["runs"], metrics=("output_throughput",))
+    assert [k for k, _ in plot_panels(one)] == ["timeline", "timeline"]  # one point: no line through it
+    assert plot_panels(one)[1][1] == "KV blocks held, pool 160, 512 out"
+    pools = {"runs": one["runs"] + [_run("stock", 320, 512, 20.0, 4), _run("snapkv", 320, 512, 45.0, 16)]}
+    kinds = [k for k, _ in plot_panels(pools)]
+    assert kinds == ["sweep", "sweep"] + ["timeline"] * 4
+    assert plot_panels(pools)[0][1] == "eviction / stock output tok/s against KV pool (blocks)"
+    lengths = {"runs": one["runs"] + [_run("stock", 160, 64, 5.0, 2), _run("snapkv", 160, 64, 6.0, 8)]}
+    assert plot_panels(lengths)[1][1] == "running requests against output tokens per request"
+    assert plot_panels({"runs": [dict(r, timeline=[]) for r in one["runs"]]}) == []
+
+
+def test_plot_record_writes_the_panels(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks.serving import plot_panels, plot_record
+
+    runs = [_run("stock", 160, 512, 10.0, 2), _run("snapkv", 160, 512, 40.0, 16),
+            _run("stock", 320, 512, 20.0, 4), _run("snapkv", 320, 512, 45.0, 16)]
+    rec = {"runs": runs, "ratios": ratio_table(runs, metrics=("output_throughput", "peak_running")),
+           "offline": [{"config": "stock", "pool": 160, "timeline": runs[0]["timeline"]}]}
+    png = tmp_path / "s.png"
+    assert plot_record(rec, png) == plot_panels(rec) and png.stat().st_size > 0
+    assert plot_panels(rec)[-1] == ("timeline", "KV blocks held, offline LLM.generate")
