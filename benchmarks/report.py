@@ -11,7 +11,10 @@ root). ``python -m benchmarks.report`` re-renders every block from those files a
 text between the markers; prose outside the blocks is left alone. ``--check`` exits 1 when the README
 is stale instead of writing it. A missing JSON is an error that names the block and the file.
 
-    python -m benchmarks.report [--readme README.md] [--check]
+    python -m benchmarks.report [--readme README.md] [--check] [--plots]
+
+``--plots`` also re-renders the committed figures from their JSON (``docs/results/X.png`` beside a block's
+``docs/results/X.json``, for the kinds that have a plotter: serving).
 """
 from __future__ import annotations
 
@@ -116,13 +119,26 @@ def _span(vals: list[float], nd: int) -> str:
     return lo if lo == hi else f"{lo}–{hi}"
 
 
+def machine_of(res: dict) -> str:
+    """The machine a run recorded (``serving.machine()``): lscpu's model name and the flags it has of those
+    that pick vLLM's CPU kernels and the dtype, with the dtype; or that the JSON does not record it."""
+    host = res.get("host") or {}
+    dtype = res.get("dtype") or (res.get("args") or {}).get("dtype")
+    if not host.get("cpu_model") and not host.get("flags"):
+        return "CPU not recorded in the JSON" + (f"; {dtype}" if dtype else "")
+    flags = [f for f, on in (host.get("flags") or {}).items() if on]
+    return (f"{host.get('cpu_model') or 'CPU model not recorded'}, {host.get('cpus', '?')} CPUs, "
+            f"{', '.join(flags) or 'none of avx2 / avx512f / avx512_bf16 / amx_bf16 / amx_tile'}"
+            + (f"; {dtype}" if dtype else ""))
+
+
 def render_serving(runs: list[tuple[str, dict]]) -> str:
     ratio_rows, over_rows, off_rows = [], [], []
     cmds = []
     for src, res in runs:
         cmds.append(provenance(res, "serving", src) + f" (host load "
                     f"{_f(res.get('host', {}).get('loadavg_at_start', [None])[0], 1)}–"
-                    f"{_f(res.get('host', {}).get('loadavg_at_end', [None])[0], 1)})")
+                    f"{_f(res.get('host', {}).get('loadavg_at_end', [None])[0], 1)}; {machine_of(res)})")
         by = {(r["config"], r["pool"], r["output_len"], r.get("request_rate")): r for r in res["runs"]}
         for q in res["ratios"]:
             stock = by.get(("stock", q["pool"], q["output_len"], q.get("request_rate")), {})
@@ -132,6 +148,7 @@ def render_serving(runs: list[tuple[str, dict]]) -> str:
             ratio_rows.append([q["config"], q["pool"], q["output_len"], "closed" if closed else rate,
                                stock.get("output_throughput"), ev.get("output_throughput"), q["output_throughput"],
                                f"{_f(stock.get('peak_running'), 0)} / {_f(ev.get('peak_running'), 0)}",
+                               f"{_f(stock.get('mean_running'), 1)} / {_f(ev.get('mean_running'), 1)}",
                                f"{_f(stock.get('preemptions'), 0)} / {_f(ev.get('preemptions'), 0)}",
                                q["tpot_p50_ms"], q["ttft_p50_ms"]])
         for o in res.get("overhead") or []:
@@ -145,7 +162,8 @@ def render_serving(runs: list[tuple[str, dict]]) -> str:
     out = cmds + [""]
     if ratio_rows:
         out += [md_table(["policy", "pool", "L", "arrivals/s", "stock out tok/s", "evict out tok/s", "out tok/s x",
-                          "peak running stock / evict", "preemptions stock / evict", "TPOT p50 x", "TTFT p50 x"],
+                          "peak running stock / evict", "mean running stock / evict", "preemptions stock / evict",
+                          "TPOT p50 x", "TTFT p50 x"],
                          ratio_rows), ""]
     wall = [o for o in over_rows if o.get("overhead_pct_of_wall") is not None]
     if wall:
@@ -180,6 +198,19 @@ def render_audit(runs: list[tuple[str, dict]]) -> str:
 
     out = []
     for src, res in runs:
+        if not any(r["system"] == "kvpress" for r in res["table"]):  # --skip-kvpress: this project's rows
+            bb = res["engine"]["block_bytes"]
+            rows = [[r["method"] if r["method"] != "none" else "full cache", r["budget"],
+                     _f(r["held_mib"] * 2 ** 20 / bb, 1), r["held_mib"], r["accuracy"]] for r in res["table"]]
+            ctx = sorted({s["context_len"] for s in res.get("samples", [])})
+            out += ([""] if out else []) + [
+                provenance(res, "audit", src) + f" — {len(res.get('samples', []))} sample(s) of "
+                f"{', '.join(sorted({s['task'] for s in res.get('samples', [])}))} at "
+                f"{', '.join(str(x) for x in sorted({s['length'] for s in res.get('samples', [])}))} tokens "
+                f"(context {', '.join(str(c) for c in ctx)} tokens, compressed before the question), block "
+                f"{res['engine']['block_size']}; {machine_of(res)}; kvpress {res.get('kvpress')}", "",
+                md_table(["policy", "budget", "blocks held after the prompt", "MiB held", "RULER score"], rows, nd=2)]
+            continue
         t = {(r["system"], r["method"], str(r["budget"])): r for r in res["table"]}
         keys = []
         for r in res["table"]:
@@ -448,6 +479,32 @@ def regenerate(text: str, root: Path, only: set[str] | None = None) -> tuple[str
     return BLOCK.sub(sub, text), names
 
 
+def _plotter(kind: str) -> Callable[[dict, Path], object] | None:
+    """The function that draws a block kind's figure from its JSON, where the kind has one."""
+    if kind == "serving":
+        from benchmarks.serving import plot_record
+
+        return plot_record
+    return None
+
+
+def replot(text: str, root: Path) -> list[str]:
+    """Re-render, from its JSON, every committed figure a block's JSON has beside it (``docs/results/X.png``
+    for ``docs/results/X.json``) where the block's kind has a plotter (``serving``: ``plot_record``);
+    -> the figures written."""
+    done = []
+    for m in BLOCK.finditer(text):
+        plot = _plotter(m.group("name").split("/")[0])
+        if plot is None:
+            continue
+        for src in m.group("srcs").split():
+            png = (root / src).with_suffix(".png")
+            if png.is_file():
+                plot(json.loads((root / src).read_text()), png)
+                done.append(str(png.relative_to(root)))
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--readme", default=str(ROOT / "README.md"))
@@ -456,9 +513,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", metavar="NAME", help="render only these blocks (e.g. when the other "
                                                              "blocks' JSON files are not on this machine); "
                                                              "a kind (serving) or one tagged block (serving/decode)")
+    ap.add_argument("--plots", action="store_true", help="also re-render the committed figures beside the blocks' "
+                                                           "JSON (docs/results/X.png for X.json) from that JSON")
     args = ap.parse_args(argv)
     path = Path(args.readme)
     text = path.read_text()
+    if args.plots and not args.check:
+        for png in replot(text, Path(args.root)):
+            print(f"re-rendered {png}")
     new, names = regenerate(text, Path(args.root), set(args.only) if args.only else None)
     if not names:
         print(f"{path}: no <!-- results:NAME FILE... --> blocks", file=sys.stderr)

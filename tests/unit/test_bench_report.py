@@ -69,11 +69,12 @@ def test_missing_file_and_unknown_renderer_are_named(tmp_path):
 def test_serving_ratio_rows_come_from_the_same_run():
     runs = [{"config": c, "pool": 160, "output_len": 512, "request_rate": "inf", "output_throughput": t,
              "peak_running": p, "tpot_p50_ms": 100.0, "ttft_p50_ms": 10.0, "request_throughput": 1.0,
-             "ttft_p99_ms": 1.0, "tpot_p99_ms": 1.0, "mean_running": 1.0, "preemptions": 0.0}
-            for c, t, p in [("stock", 10.0, 2), ("snapkv", 25.0, 12)]]
+             "ttft_p99_ms": 1.0, "tpot_p99_ms": 1.0, "mean_running": m, "preemptions": 0.0}
+            for c, t, p, m in [("stock", 10.0, 2, 1.95), ("snapkv", 25.0, 12, 11.0)]]
     res = stamp({"runs": runs, "ratios": ratio_table(runs), "overhead": [], "offline": [], "host": {}}, [])
     md = report.render_serving([("s.json", res)])
-    assert "| snapkv | 160 | 512 | closed | 10.00 | 25.00 | 2.50 | 2 / 12 | 0 / 0 | 1.00 | 1.00 |" in md
+    assert "| snapkv | 160 | 512 | closed | 10.00 | 25.00 | 2.50 | 2 / 12 | 1.9 / 11.0 | 0 / 0 | 1.00 | 1.00 |" in md
+    assert "CPU not recorded in the JSON" in md  # a JSON from before the machine was recorded says so
     assert "Eviction rounds" not in md  # no counters, no sentence
     res["overhead"] = [{"overhead_pct_of_wall": 4.0, "ms_per_round": 40.0, "rounds_per_request": 5.0,
                         "later_rounds": 32.0, "later_round_ms": 15.0, "later_round_pct_of_wall": 1.5}]
@@ -220,3 +221,44 @@ def test_stamp_makes_this_machines_paths_portable():
     assert res["args"] == {"model": "smollm2", "n": 3}
     assert res["commands"][0]["argv"] == "vllm-contour serve smollm2 --x docs"
     assert res["argv"] == ["--out", "results/m/run"]
+
+
+def test_serving_block_names_the_machine_the_json_records():
+    host = {"cpu_model": "Intel(R) Xeon(R) Platinum", "cpus": 2, "loadavg_at_start": [0.5, 0, 0],
+            "loadavg_at_end": [2.0, 0, 0], "flags": {"avx2": True, "avx512f": True, "avx512_bf16": False,
+                                                      "amx_bf16": False, "amx_tile": False}}
+    md = report.render_serving([("s.json", {"runs": [], "ratios": [], "host": host, "dtype": "float32"})])
+    assert "(host load 0.5–2.0; Intel(R) Xeon(R) Platinum, 2 CPUs, avx2, avx512f; float32)" in md
+    old = report.render_serving([("s.json", {"runs": [], "ratios": [], "host": {}, "args": {"dtype": "bfloat16"}})])
+    assert "CPU not recorded in the JSON; bfloat16" in old
+
+
+def test_audit_block_without_kvpress_tables_the_blocks_held(tmp_path):
+    """``benchmarks.audit --skip-kvpress``: this project's rows alone, blocks = bytes / the block's bytes."""
+    bb = 1474560
+    table = [{"system": "vllm-contour", "method": m, "budget": b, "samples": 1, "accuracy": a,
+              "held_mib": n * bb / 2 ** 20, "unmasked_mib": n * bb / 2 ** 20}
+             for m, b, a, n in [("none", "full", 100.0, 64), ("snapkv", 128, 0.0, 5)]]
+    res = stamp({"table": table, "engine": {"block_size": 32, "block_bytes": bb}, "kvpress": "skipped",
+                 "samples": [{"task": "niah_multikey", "length": 2048, "idx": 0, "context_len": 1978}],
+                 "host": {}, "dtype": "float32"}, ["--skip-kvpress"])
+    md = report.render_audit([("a.json", res)])
+    assert "1 sample(s) of niah_multikey at 2048 tokens (context 1978 tokens" in md
+    assert "| full cache | full | 64.0 | 90.00 | 100.00 |" in md and "| snapkv | 128 | 5.0 | 7.03 | 0.00 |" in md
+
+
+def test_plots_are_re_rendered_only_beside_their_json(tmp_path, monkeypatch):
+    """``--plots``: a block's JSON with a committed figure of the same name is drawn again from that JSON;
+    a JSON without one gets none; kinds without a plotter are left alone."""
+    drawn = []
+    monkeypatch.setattr(report, "_plotter", lambda kind: (lambda res, png: drawn.append((res["n"], png.name)))
+                        if kind == "serving" else None)
+    for name, n in (("a", 1), ("b", 2)):
+        _write(tmp_path, f"docs/results/{name}.json", {"n": n})
+    (tmp_path / "docs" / "results" / "a.png").write_bytes(b"old")
+    _write(tmp_path, "docs/results/c.json", {"n": 3})
+    (tmp_path / "docs" / "results" / "c.png").write_bytes(b"old")
+    text = ("<!-- results:serving docs/results/a.json docs/results/b.json -->\n<!-- /results:serving -->\n"
+            "<!-- results:builder docs/results/c.json -->\n<!-- /results:builder -->\n")
+    assert report.replot(text, tmp_path) == ["docs/results/a.png"]
+    assert drawn == [(1, "a.png")]
