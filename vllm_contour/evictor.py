@@ -337,10 +337,6 @@ def _round_inputs(caches, blocks, num_tokens, prev: RequestLayout, e_new, scale,
     return inp, [src[layer] for layer in range(num_layers)], (pos.reshape(num_layers * h, -1), n_cand)
 
 
-class FaultInjected(RuntimeError):
-    """Raised by the test-only fault switch (``VLLM_CONTOUR_FAULTS``)."""
-
-
 def clear_moment_pages(caches: list[tuple[torch.Tensor, torch.Tensor]], layout: RequestLayout | None) -> None:
     """Zero a layout's moment pages in every layer (before their blocks go back to vLLM's pool)."""
     if layout is None or layout.moment_page_ids is None:
@@ -349,16 +345,14 @@ def clear_moment_pages(caches: list[tuple[torch.Tensor, torch.Tensor]], layout: 
         ops.clear_pages(kc, vc, layout.moment_page_ids[layer].to(torch.int64))
 
 
-def apply_round(caches: list[tuple[torch.Tensor, torch.Tensor]], plan: RoundPlan,
-                fail_after_layer: int | None = None) -> RequestLayout:
+def apply_round(caches: list[tuple[torch.Tensor, torch.Tensor]], plan: RoundPlan) -> RequestLayout:
     """Move the bytes of a planned round, layer by layer: add the evicted tokens to the layer's moments
     (read where they still sit), compact the kept tokens, store the moments in their new pages. Returns
-    the new layout. ``fail_after_layer`` (test-only fault switch) raises once that layer is compacted."""
-    return apply_rounds(caches, [plan], fail_after_layer)[0]
+    the new layout."""
+    return apply_rounds(caches, [plan])[0]
 
 
-def apply_rounds(caches: list[tuple[torch.Tensor, torch.Tensor]], plans: list[RoundPlan],
-                 fail_after_layer: int | None = None) -> list[RequestLayout]:
+def apply_rounds(caches: list[tuple[torch.Tensor, torch.Tensor]], plans: list[RoundPlan]) -> list[RequestLayout]:
     """Move the bytes of the rounds of several requests due in the same step: per layer, every round's
     moments, then one compaction over all their moves, then every round's moment storage. No round writes
     what another reads (a round over blocks another request holds writes only its private blocks), so this
@@ -372,8 +366,6 @@ def apply_rounds(caches: list[tuple[torch.Tensor, torch.Tensor]], plans: list[Ro
                 if st is not None:
                     packed = mom_math.pack(mom_math.Moments(st["n"], st["sum_k"], st["sum_v"], st["sum_vk"]))
                     ops.store_moments(kc, vc, plan.layout.moment_page_ids[layer].to(torch.int64), packed)
-            if fail_after_layer is not None and layer == fail_after_layer:
-                raise FaultInjected(f"fault switch: round failed after compacting layer {layer}")
     return [plan.layout for plan in plans]
 
 

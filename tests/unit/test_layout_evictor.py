@@ -472,8 +472,10 @@ def test_a_round_into_private_blocks_reads_the_originals_and_writes_only_the_pri
     caches = [cpu_cache(nb, h, bs, d, seed=s)[1:] for s in seeds]
     plan = plan_round(caches, block_ids, num_tokens, params, _budget(params, h, bs, d), d ** -0.5,
                       fresh_ids=fresh)
-    with pytest.raises(RuntimeError):
-        apply_round(caches, plan, fail_after_layer=0)
+    from vllm_contour.integration.faults import _compaction_fails_after_first_layer
+
+    with pytest.raises(RuntimeError), _compaction_fails_after_first_layer():
+        apply_round(caches, plan)
     for layer in range(layers):
         assert torch.equal(before[layer][0][untouched], caches[layer][0][untouched])
         assert torch.equal(before[layer][1][untouched], caches[layer][1][untouched])

@@ -92,7 +92,7 @@ def test_the_backend_gives_full_attention_layers_the_plugins_spec_with_eviction_
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_contour.integration.backend import ContourCPUAttentionBackend
+    from vllm_contour.integration.backends.cpu import ContourCPUAttentionBackend
     from vllm_contour.integration.manager import EvictingAttentionSpec
 
     full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
@@ -108,9 +108,9 @@ def test_outside_vllms_config_the_spec_follows_what_the_models_impls_recorded(po
     from vllm.config import VllmConfig, get_current_vllm_config_or_none, set_current_vllm_config
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_contour.integration.backend import ContourCPUAttentionBackend, ContourImpl
+    from vllm_contour.integration.backends import common
+    from vllm_contour.integration.backends.cpu import ContourCPUAttentionBackend, ContourImpl
     from vllm_contour.integration.manager import EvictingAttentionSpec
-    from vllm_contour.integration.state import worker_state
 
     class VllmImpl:
         def __init__(self, *args, **kwargs):
@@ -119,7 +119,7 @@ def test_outside_vllms_config_the_spec_follows_what_the_models_impls_recorded(po
     class Impl(ContourImpl, VllmImpl):
         pass
 
-    worker_state().evicting = policy == "none"  # the opposite, so that the impl's record is what counts
+    common._EVICTING[0] = policy == "none"  # the opposite, so that the impl's record is what counts
     with set_current_vllm_config(VllmConfig(additional_config={"kv_eviction": {"policy": policy}})):
         Impl(2, 64)
     assert get_current_vllm_config_or_none() is None
@@ -127,13 +127,13 @@ def test_outside_vllms_config_the_spec_follows_what_the_models_impls_recorded(po
     try:
         assert isinstance(ContourCPUAttentionBackend.customize_spec(full), EvictingAttentionSpec) == (policy != "none")
     finally:
-        worker_state().evicting = False
+        common._EVICTING[0] = False
 
 
 def test_a_layers_cache_views_are_built_once_per_cache_tensor():
     """The impl keeps its layer's key / value views: the same cache tensor gives the same views (no layout
     probe per step), a new cache tensor (another allocation, shape or dtype) gives views of that one."""
-    from vllm_contour.integration.backend import ContourImpl
+    from vllm_contour.integration.backends.common import ContourImpl
 
     built = []
 

@@ -16,8 +16,15 @@ from benchmarks.page_table_cases import Req, batch_tensors, expected_tables, key
 L, H, BS, NB = 3, 2, 16, 400
 
 
-def _check_step(pt: PageTables, reqs: list[Req], captures=()):
+def _check_step(pt: PageTables, reqs: list[Req], captures=(), seen: set | None = None):
+    """One step as the builder and the impl see it. ``seen``: the compacted requests that ran in an earlier
+    step since they were compacted; before the step's keys, the tables predict exactly those rows (Model
+    Runner V2 builds the metadata first), never an ordinary row."""
     qsl, seq, bt = batch_tensors(reqs, width=16)
+    if seen is not None:
+        predicted = pt.predict(qsl, seq, bt, len(reqs)).tolist()
+        assert predicted == [r.layout is not None and r.req_id in seen for r in reqs], predicted
+        seen.update(r.req_id for r in reqs if r.layout is not None)
     keys = {r.req_id: key_of(r, BS) for r in reqs}
     compacted = pt.set_keys(keys, list(captures))
     rows, cap = pt.step(compacted, qsl, seq, bt, len(reqs), int(qsl[-1]), int(seq.max()))
@@ -48,6 +55,7 @@ def test_incremental_tables_equal_fresh_ones_over_random_events(seed):
     rnd.shuffle(free)
     pt = PageTables(L, H, BS, NB, capacity=2, width=1)  # small: rounds and new requests must grow it
     live: list[Req] = []
+    seen: set = set()
     n = 0
     for step in range(40):
         ev = rnd.random()
@@ -61,6 +69,7 @@ def test_incremental_tables_equal_fresh_ones_over_random_events(seed):
         elif ev < 0.45:  # finish or preemption: state dropped, blocks back to the pool (reused later)
             r = live.pop(rnd.randrange(len(live)))
             pt.drop(r.req_id)
+            seen.discard(r.req_id)
             free[:0] = [b for b in r.blocks if b]
         elif ev < 0.6:  # a decode round on a compacted request: its kept blocks and full tail blocks are
             cands = [r for r in live if r.layout is not None and r.num_computed // BS > r.layout.region_blocks]
@@ -71,13 +80,15 @@ def test_incremental_tables_equal_fresh_ones_over_random_events(seed):
                 r.layout = random_layout(rnd, L, H, BS, targets, e_new, moments=rnd.choice([0, 1]))
                 kept = r.layout.block_ids
                 free[:0] = [b for b in targets if b not in kept]
-                r.blocks = kept + [0] * (e_new - len(kept)) + r.blocks[e_new:]
+                # the worker's block table never learns of the freed slots (vLLM sends new blocks only): they
+                # keep ids the pool may hand to another request
+                r.blocks = kept + r.blocks[len(kept):]
                 pt.put(r.req_id, r.layout)
         # every live request computes its tokens; a new tail block when it crosses a page boundary
         sched = [r for r in live if rnd.random() < 0.8]
         rnd.shuffle(sched)
         if sched:
-            _check_step(pt, sched)
+            _check_step(pt, sched, seen=seen)
         for r in sched:
             r.num_computed += r.q_len
             r.q_len = rnd.randint(1, 3)
@@ -190,8 +201,8 @@ def test_vllms_kernel_runs_only_for_a_step_with_tokens_that_are_not_compacted(fl
     mixed = not all(flags)
     from types import SimpleNamespace
 
-    from vllm_contour.integration import backend
-    from vllm_contour.integration.state import StepAttention, worker_state
+    from vllm_contour.integration.backends import common, cpu
+    from vllm_contour.integration.worker.step import StepField
     from vllm_contour.ops.reference import ragged_decode_attention_ref
 
     from tests.unit.ops_cases import make_cache
@@ -206,21 +217,23 @@ def test_vllms_kernel_runs_only_for_a_step_with_tokens_that_are_not_compacted(fl
             output.fill_(7.0)
             return output
 
-    class Impl(backend.ContourImpl, VllmImpl):
+    class Impl(common.ContourImpl, VllmImpl):
         num_heads, head_size, scale = H * 2, 8, 0.3
         kv_views = staticmethod(lambda kv_cache: (k, v))
-        _compacted_only = staticmethod(backend.ContourCPUAttentionImpl._compacted_only)
+        _compacted_only = staticmethod(cpu.ContourCPUAttentionImpl._compacted_only)
 
         def __init__(self):
             pass
 
-    st = worker_state()
-    monkeypatch.setattr(st, "step", StepAttention(rows, None))
-    monkeypatch.setattr(st, "layer_index", {"l1": 1})
+    class Metadata(StepField):  # vLLM's metadata as the plugin's builder returns it
+        def __init__(self, step, num_actual_tokens):
+            self.contour, self.num_actual_tokens = step, num_actual_tokens
+
+    step = SimpleNamespace(layer={"l1": 1}.get, resolve=lambda: (rows, None), fail=None)
     n = rows.num_tokens
     q = torch.randn(n, H * 2 * 8, generator=torch.Generator().manual_seed(43))
     out = torch.full((n, H * 2 * 8), 5.0)
-    Impl().forward(SimpleNamespace(layer_name="l1"), q, None, None, torch.zeros(1), SimpleNamespace(num_actual_tokens=n), out)
+    Impl().forward(SimpleNamespace(layer_name="l1"), q, None, None, torch.zeros(1), Metadata(step, n), out)
     assert calls == (["l1"] if mixed else [])
     tok, _, table, lens = rows.tables_for_cpu()
     want, _ = ragged_decode_attention_ref(q.view(n, H * 2, 8)[tok], k, v, table[1], lens[1], 0.3)
@@ -228,3 +241,49 @@ def test_vllms_kernel_runs_only_for_a_step_with_tokens_that_are_not_compacted(fl
     others = torch.ones(n, dtype=torch.bool)
     others[tok] = False
     assert bool(others.any()) == mixed and bool((out[others] == 7.0).all())
+
+
+def test_prediction_never_takes_a_reused_block_for_a_compacted_request():
+    """Before the step's keys arrive (Model Runner V2) a row is predicted compacted only when its request's
+    expected next position and the block holding the token before it both match: a request that finished, or
+    a block a round freed, leaves its block to another request whose row must not be taken for it."""
+    rnd = random.Random(5)
+    free = list(range(1, NB))
+    pt = PageTables(L, H, BS, NB, capacity=1)
+
+    def predicted(reqs):
+        qsl, seq, bt = batch_tensors(reqs, width=16)
+        return pt.predict(qsl, seq, bt, len(reqs)).tolist()
+
+    a = make_request(rnd, "a", free, L, H, BS, compacted=True)
+    a.num_computed, a.q_len = a.num_computed - a.num_computed % BS + BS - 1, 1  # its next token starts a block
+    while len(a.blocks) * BS < a.num_computed + a.q_len:
+        a.blocks.append(free.pop())
+    pt.put("a", a.layout)
+    _check_step(pt, [a])
+    x = a.blocks[(a.num_computed + a.q_len - 1) // BS]  # holds a's last token
+    a.num_computed += 1
+    a.blocks.append(free.pop())
+    assert predicted([a]) == [True]
+    # a finishes; b gets x as its first block and, one step later, computes from a's expected position on
+    pt.drop("a")
+    b = Req("b", [x] + [free.pop() for _ in range(16)], a.num_computed, 1)
+    b.blocks = [free.pop() for _ in range(b.num_computed // BS - 1)] + [x] + [free.pop(), free.pop()]
+    assert b.blocks[(b.num_computed - 1) // BS] == x
+    assert predicted([b]) == [False]
+    # c is compacted; its first step ends a block (x2), its next starts one (y): x2 is no longer where its next
+    # step starts, and a row that has x2 there is not c's
+    c = make_request(rnd, "c", free, L, H, BS, compacted=True)
+    assert pt.put("c", c.layout) == 0  # a's slot
+    c.q_len = BS - c.num_computed % BS
+    while len(c.blocks) * BS < c.num_computed + c.q_len + 1:
+        c.blocks.append(free.pop())
+    _check_step(pt, [c])
+    c.num_computed += c.q_len
+    x2, y = c.blocks[c.num_computed // BS - 1], c.blocks[c.num_computed // BS]
+    c.q_len = 1
+    _check_step(pt, [c])
+    c.num_computed += 1
+    d = Req("d", [free.pop() for _ in range(c.num_computed // BS)] + [x2, free.pop()], c.num_computed, 1)
+    assert d.blocks[(d.num_computed - 1) // BS] == x2 and c.blocks[(c.num_computed - 1) // BS] == y
+    assert predicted([c, d]) == [True, False]

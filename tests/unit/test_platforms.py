@@ -1,5 +1,5 @@
 """Start-up on vLLM's CUDA platform, mocked (no GPU here): ``--kv-eviction-policy`` wires vLLM's Triton
-backend and the V1 model runner, and every setting that cannot run with eviction is refused naming its flag;
+backend and turns async scheduling off (either model runner), and every setting that cannot run with eviction is refused naming its flag;
 a platform without an entry is refused naming it; the CPU platform is wired as before."""
 
 from __future__ import annotations
@@ -36,17 +36,31 @@ def _prepare(ea):
     return prepare_engine_args(ea)
 
 
-def test_cuda_wires_the_triton_backend_the_v1_runner_the_connector_and_the_scheduler(on_cuda):
+def test_cuda_wires_the_triton_backend_sync_scheduling_the_connector_and_the_scheduler(on_cuda):
     from vllm_contour.integration.engine_args import CONNECTOR_NAME, SCHEDULER_CLS
 
     ea = _args()
+    assert ea.async_scheduling is None  # vLLM would turn it on for CUDA
     _prepare(ea)
     assert str(getattr(ea.attention_backend, "name", ea.attention_backend)) == "TRITON_ATTN"
-    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert ea.async_scheduling is False
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ  # vLLM picks the model runner: either runs eviction
     assert ea.kv_transfer_config.kv_connector == CONNECTOR_NAME
     assert ea.scheduler_cls == SCHEDULER_CLS and ea.block_size == 32
-    ea = _args(attention_backend="TRITON_ATTN")  # asking for it explicitly is fine
+    for backend in ("TRITON_ATTN", "auto"):  # asking for it, or for vLLM's choice, is fine
+        ea = _args(attention_backend=backend)
+        _prepare(ea)
+        assert str(getattr(ea.attention_backend, "name", ea.attention_backend)) == "TRITON_ATTN"
+    ea = _args(async_scheduling=False)
     _prepare(ea)
+    assert ea.async_scheduling is False
+
+
+@pytest.mark.parametrize("runner", ["0", "1"])
+def test_cuda_accepts_either_model_runner(on_cuda, monkeypatch, runner):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", runner)
+    _prepare(_args())
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == runner
 
 
 @pytest.mark.parametrize("kw, env, flag", [
@@ -54,7 +68,7 @@ def test_cuda_wires_the_triton_backend_the_v1_runner_the_connector_and_the_sched
     (dict(compilation_config={"cudagraph_mode": "FULL"}), None, "--compilation-config cudagraph_mode=FULL"),
     (dict(compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"}), None, "cudagraph_mode=FULL_AND_PIECEWISE"),
     (dict(kv_cache_dtype="fp8"), None, "--kv-cache-dtype fp8"),
-    (dict(), "1", "VLLM_USE_V2_MODEL_RUNNER=1"),
+    (dict(async_scheduling=True), None, "--async-scheduling"),
 ])
 def test_cuda_refusals_name_their_flag(on_cuda, monkeypatch, kw, env, flag):
     if env is not None:

@@ -1,8 +1,8 @@
 """How the ranks' round outcomes merge (TP/PP): freed blocks are the intersection, private-block slots the
 union (a rank that wrote into a private block needs it, even where another rank left that slot empty)."""
 
-from vllm_contour.integration.reports import ContourReport, Noop, PlanFailed, Recompute, Round
-from vllm_contour.integration.reports import merge as merge_outcomes
+from vllm_contour.integration.messages import ContourReport, Noop, PlanFailed, Recompute, Round
+from vllm_contour.integration.messages import merge as merge_outcomes
 
 
 def _round(freed, replaced=(), region=10, kept=2):

@@ -41,7 +41,7 @@ def _free(pool) -> int:
 
 
 def test_a_context_round_that_publishes_nothing_gives_its_snapshot_block_back(publisher):
-    from vllm_contour.integration.reports import Round
+    from vllm_contour.integration.messages import Round
 
     pool, shared, pub = publisher
     blocks = pool.get_new_blocks(4)
@@ -55,7 +55,7 @@ def test_a_context_round_that_publishes_nothing_gives_its_snapshot_block_back(pu
 
 
 def test_a_published_context_holds_its_region_and_snapshot_until_dropped(publisher):
-    from vllm_contour.integration.reports import Round
+    from vllm_contour.integration.messages import Round
 
     pool, shared, pub = publisher
     blocks = pool.get_new_blocks(4)
@@ -124,7 +124,7 @@ def _running(tracked, mgr, pool, n_blocks=6):
 
 
 def test_a_round_report_frees_its_blocks_into_vllms_pool_once(outcomes):
-    from vllm_contour.integration.reports import ContourReport, Round
+    from vllm_contour.integration.messages import ContourReport, Round
 
     pool, mgr, tracked, out = outcomes
     t, ids = _running(tracked, mgr, pool)
@@ -141,7 +141,7 @@ def test_a_round_report_frees_its_blocks_into_vllms_pool_once(outcomes):
 
 
 def test_failed_rounds_stop_eviction_and_only_a_moved_cache_is_recomputed(outcomes):
-    from vllm_contour.integration.reports import ContourReport, PlanFailed, Recompute
+    from vllm_contour.integration.messages import ContourReport, PlanFailed, Recompute
 
     pool, mgr, tracked, out = outcomes
     t, _ = _running(tracked, mgr, pool)

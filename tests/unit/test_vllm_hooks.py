@@ -110,8 +110,12 @@ def test_a_moved_symbol_is_found_through_its_first_rows_name(monkeypatch):
     assert vllm_hooks.resolve(name) is _custom_ops.cpu_attn_reshape_and_cache
     monkeypatch.setattr(vllm_hooks, "installed_version", lambda: "0.34.0")
     assert vllm_hooks.hook(name).symbol == "vllm._cpu_ops:cpu_attn_reshape_and_cache"
+    import dataclasses
+
+    only_old = dataclasses.replace(vllm_hooks.HOOKS[0], symbol="vllm.envs:GONE_IN_034", versions="<0.34")
+    monkeypatch.setattr(vllm_hooks, "HOOKS", vllm_hooks.HOOKS + (only_old,))
     with pytest.raises(KeyError, match="no row .* applies to vLLM 0.34.0"):
-        vllm_hooks.hook("vllm.envs:VLLM_USE_V2_MODEL_RUNNER")
+        vllm_hooks.hook("vllm.envs:GONE_IN_034")
     with pytest.raises(KeyError, match="not a declared hook"):
         vllm_hooks.hook("vllm.x:Undeclared.attr")
 

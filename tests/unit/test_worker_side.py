@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from vllm_contour import ops
-from vllm_contour.integration.state import RequestState, worker_state
-from vllm_contour.integration.worker_side import WorkerSide
+from vllm_contour.integration.worker.requests import RequestState
+from vllm_contour.integration.worker.side import WorkerSide
 
 from .ops_cases import make_cache
 
@@ -18,14 +18,14 @@ H, BS, D = 2, 16, 8
 
 @pytest.fixture
 def side():
-    st = worker_state()
-    saved = st.requests, st.shared
-    st.requests, st.shared = {}, {}
-    ws = WorkerSide.__new__(WorkerSide)  # only the cache views matter here
+    from vllm.config import VllmConfig
+
+    from vllm_contour.config import EvictionConfig
+
+    ws = WorkerSide(VllmConfig(), EvictionConfig(policy="snapkv"))  # no caches registered: views set below
     _, k, v = make_cache("cpu_rows", 6, H, BS, D, torch.bfloat16)
     ws._views = [(k, v)]
-    yield ws, st
-    st.requests, st.shared = saved
+    yield ws, ws.requests
 
 
 def _moment_layout(ws):
@@ -98,16 +98,14 @@ def test_rounds_due_together_move_together_and_a_failure_stays_with_its_request(
     only one recomputed."""
     from vllm_contour.budget import page_budget
     from vllm_contour.config import EvictionConfig, resolve_request
+    from vllm_contour.integration import faults
+    from vllm_contour.integration.messages import Recompute, Round, RoundItem
     from vllm_contour.integration.metrics import ContourStats
-    from vllm_contour.integration.reports import Recompute, Round
-    from vllm_contour.integration.state import RoundItem
-    from vllm_contour.integration.worker_rounds import WorkerRounds
-    from vllm_contour.integration.faults import FaultSwitch
 
     ws, st = side
     layers, bs, d, per_req = 2, 16, 8, 8
     ws._views = [make_cache("cpu_rows", 3 * per_req + 1, H, bs, d, torch.float32, seed=s)[1:] for s in range(layers)]
-    rounds = WorkerRounds(FaultSwitch("at=apply:b:1"))
+    rounds = ws.rounds
     params = resolve_request(EvictionConfig(policy="knorm", budget=32, recent_window=4, sink_tokens=2), None)
     pb = page_budget(params.budget, num_kv_heads=H, block_size=bs, head_dim=d, elem_size=4,
                      sink_tokens=params.sink_tokens, recent_window=params.recent_window, moments=False)
@@ -116,7 +114,8 @@ def test_rounds_due_together_move_together_and_a_failure_stays_with_its_request(
     for it in items:
         st.state_for(it.req_id)
     rep, stats = {}, ContourStats()
-    rounds.run(items, ws._views, d ** -0.5, None, rep, stats)
+    with faults.installed("at=apply:b:1"):
+        rounds.run(items, ws._views, d ** -0.5, None, rep, stats)
     assert isinstance(rep["a"], Round) and isinstance(rep["c"], Round) and isinstance(rep["b"], Recompute)
     assert st.requests["a"].layout is not None and st.requests["c"].layout is not None and "b" not in st.requests
     assert stats.data.get("c:batched_rounds") == 2, stats.data
@@ -138,11 +137,9 @@ def test_decode_time_rounds_due_together_are_planned_together_and_a_plan_failure
     from vllm_contour.budget import page_budget
     from vllm_contour.config import EvictionConfig, resolve_request
     from vllm_contour.evictor import plan_round
-    from vllm_contour.integration.faults import FaultSwitch
+    from vllm_contour.integration import faults
+    from vllm_contour.integration.messages import PlanFailed, Round, RoundItem
     from vllm_contour.integration.metrics import ContourStats
-    from vllm_contour.integration.reports import PlanFailed, Round
-    from vllm_contour.integration.state import RoundItem
-    from vllm_contour.integration.worker_rounds import WorkerRounds
 
     ws, st = side
     layers, bs, d, per_req = 2, 16, 8, 10
@@ -150,7 +147,9 @@ def test_decode_time_rounds_due_together_are_planned_together_and_a_plan_failure
     pb = page_budget(params.budget, num_kv_heads=H, block_size=bs, head_dim=d, elem_size=4,
                      sink_tokens=params.sink_tokens, recent_window=params.recent_window, moments=False)
 
-    def step(faults, n_tokens, short=None):
+    faults_mod = faults
+
+    def step(spec, n_tokens, short=None):
         views = [make_cache("cpu_rows", 3 * per_req + 1, H, bs, d, torch.float32, seed=s)[1:] for s in range(layers)]
         st.requests.clear()
         ids = {r: list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for i, r in enumerate("abc")}
@@ -158,7 +157,7 @@ def test_decode_time_rounds_due_together_are_planned_together_and_a_plan_failure
                  for r in "abc"]
         for it in first:
             st.state_for(it.req_id)
-        rounds = WorkerRounds(FaultSwitch(faults))
+        rounds = ws.rounds
         rounds.run(first, views, d ** -0.5, None, {}, ContourStats())
         prevs = {r: st.requests[r].layout for r in "abc"}
         later = [RoundItem(req_id=r, block_ids=ids[r][:4] if r == short else ids[r], num_tokens=n_tokens[i],
@@ -166,7 +165,8 @@ def test_decode_time_rounds_due_together_are_planned_together_and_a_plan_failure
         alone = {it.req_id: plan_round(views, it.block_ids, it.num_tokens, params, pb, d ** -0.5, prev=prevs[it.req_id])
                  for it in later if it.req_id != short}
         rep, stats = {}, ContourStats()
-        rounds.run(later, views, d ** -0.5, None, rep, stats)
+        with faults_mod.installed(spec):
+            rounds.run(later, views, d ** -0.5, None, rep, stats)
         for r, plan in alone.items():
             if isinstance(rep[r], Round):
                 assert torch.equal(st.requests[r].layout.positions, plan.layout.positions)
@@ -186,24 +186,13 @@ def test_decode_time_rounds_due_together_are_planned_together_and_a_plan_failure
 def test_kept_kvzip_scores_named_dropped_go_after_the_steps_rounds(side):
     """The scheduler names kept context scores to drop (least recently used, or a prefix-cache reset); the
     worker drops them after the step's rounds, which may still read them; the others stay."""
-    from vllm_contour.integration.faults import FaultSwitch
-    from vllm_contour.integration.metrics import ContourStats
-    from vllm_contour.integration.reports import ContourMetadata
-    from vllm_contour.integration.worker_rounds import WorkerRounds
+    from vllm_contour.integration.messages import ContourMetadata
+    from vllm_contour.page_tables import PageTables
 
     ws, st = side
-    saved = st.scored
-    st.scored = {"old": torch.zeros(1), "new": torch.ones(1)}
-    try:
-        ws.rounds, ws._report, ws._stats, ws._stage_layers = WorkerRounds(FaultSwitch("")), {}, ContourStats(), None
-        ws.faults = FaultSwitch("")
-        tables, st.tables = st.tables, SimpleNamespace(set_keys=lambda keys, captures: [])
-        try:
-            ws.begin_step(ContourMetadata(scores_dropped=["old"]))
-        finally:
-            st.tables = tables
-        assert "old" in st.scored  # named this step: still there while the step's rounds run
-        ws.after_forward()
-        assert set(st.scored) == {"new"} and st.scores_dropped_now == []
-    finally:
-        st.scored = saved
+    ws.scores.kept = {"old": torch.zeros(1), "new": torch.ones(1)}
+    st.tables = PageTables(1, H, BS, 6)
+    ws.begin_step(ContourMetadata(scores_dropped=["old"]))
+    assert "old" in ws.scores.kept  # named this step: still there while the step's rounds run
+    ws.after_forward()
+    assert set(ws.scores.kept) == {"new"} and ws.message is None

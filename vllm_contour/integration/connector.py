@@ -1,9 +1,10 @@
 """The KV connector vLLM loads: a thin adapter over the two rooms of eviction.
 
 Scheduler role -> ``scheduler_side.SchedulerSide`` (when a request's round runs, which blocks go back to the
-pool, what each request holds); worker role -> ``worker_side.WorkerSide`` (run the rounds after the
-forward, report). The channel between them is vLLM's connector metadata (scheduler -> workers) and worker
-metadata (workers -> scheduler, merged across TP/PP ranks); ``reports.py`` holds both.
+pool, what each request holds); worker role -> ``worker.side.WorkerSide`` (one per worker process: the
+step's rows for the attention backend, the rounds after the forward, reports). The channel between them is
+vLLM's connector metadata (scheduler -> workers) and worker metadata (workers -> scheduler, merged across
+TP/PP ranks); ``messages.py`` holds both.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from vllm.logger import init_logger
 from vllm_contour.budget import CacheShape
 from vllm_contour.config import EvictionConfig
 from vllm_contour.integration.metrics import ContourPromMetrics, ContourStats
-from vllm_contour.integration.reports import ContourMetadata, ContourReport
+from vllm_contour.integration.messages import ContourMetadata, ContourReport
 from vllm_contour.integration.scheduler_side import SchedulerSide
-from vllm_contour.integration.worker_side import WorkerSide
+from vllm_contour.integration.worker.side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

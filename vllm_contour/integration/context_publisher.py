@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllm_contour.integration.reports import Round
+from vllm_contour.integration.messages import Round
 from vllm_contour.integration.scheduler_records import Publishing, Tracked
 from vllm_contour.integration.shared_contexts import Entry, SharedContexts
 

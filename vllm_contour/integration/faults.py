@@ -1,24 +1,33 @@
-"""TEST ONLY: the fault switch (``VLLM_CONTOUR_FAULTS``) that makes chosen eviction rounds, attention ops,
-page tables or the start-up layout probe fail, so the tests can check that a failure stays with its request.
-Off unless the variable is set."""
+"""TEST ONLY: the fault switch. ``install(spec)``, called by the tests' engine driver before the engine
+starts (spec from ``VLLM_CONTOUR_FAULTS``), wraps the worker side's methods so that chosen eviction rounds,
+compacted rows or the start-up layout probe fail, and the tests can check that a failure stays with its
+request. Product code has no fault branches: nothing here runs unless a test installs it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
+
+import torch
 
 FAULTS_ENV = "VLLM_CONTOUR_FAULTS"
 
 
+class FaultInjected(RuntimeError):
+    """What an installed fault raises."""
+
+
 class FaultSwitch:
-    """TEST ONLY. ``VLLM_CONTOUR_FAULTS="plan=0.2,apply=0.1,seed=0"`` makes that share of rounds fail while
-    planning (nothing written) or raise in the middle of compaction (after the first layer moved). Off by
-    default; chosen per (request, round) by a hash, so a run is reproducible. ``only=PREFIX`` limits those
-    random failures to requests whose id starts with PREFIX. ``at=KIND:ID:N`` (repeatable; ID may end with
-    ``*``, a prefix) names one failure of one request, which then gets no random ones: KIND ``plan`` or
-    ``apply`` fails its round N; ``forward`` reports its attention op failed, ``metadata`` its compacted rows'
-    page table unbuildable, in the N-th step it runs compacted. ``layout=scramble`` makes the start-up layout
-    probe see vLLM's cache write through a scrambled page (an unknown layout)."""
+    """``"plan=0.2,apply=0.1,seed=0"`` makes that share of rounds fail while planning (nothing written) or
+    raise in the middle of compaction (after the first layer moved). Chosen per (request, round) by a
+    hash, so a run is reproducible. ``only=PREFIX`` limits those random failures to requests whose id
+    starts with PREFIX. ``at=KIND:ID:N`` (repeatable; ID may end with ``*``, a prefix) names one failure of
+    one request, which then gets no random ones: KIND ``plan`` or ``apply`` fails its round N; ``forward``
+    reports its attention op failed, ``metadata`` its compacted rows' page table unbuildable, in the N-th
+    step it runs compacted. ``layout=scramble`` makes the start-up layout probe see vLLM's cache write
+    through a scrambled page (an unknown layout)."""
 
     def __init__(self, spec: str | None):
         self.rates: dict[str, float] = {}
@@ -27,6 +36,7 @@ class FaultSwitch:
         self.at: list[tuple[str, str, int]] = []
         self._steps: dict[tuple[str, str], int] = {}
         self.scramble_layout = False
+        self.uninstall = lambda: None
         for part in (spec or "").split(","):
             if not part.strip():
                 continue
@@ -66,12 +76,12 @@ class FaultSwitch:
         h = hashlib.sha256(f"{self.seed}/{kind}/{stable}/{seq}".encode()).digest()
         return int.from_bytes(h[:8], "little") / 2 ** 64 < rate
 
-    def step_errors(self, req_ids, st) -> dict[str, str]:
+    def step_errors(self, req_ids, requests) -> dict[str, str]:
         """``forward`` / ``metadata`` failures of this step (what the attention backend reports when a compacted
         row's ragged op or page table fails), for the named requests among ``req_ids`` that run compacted."""
         out: dict[str, str] = {}
         for req_id in req_ids if self.at else ():
-            rs = st.requests.get(req_id)
+            rs = requests.requests.get(req_id)
             if rs is None or rs.layout is None:
                 continue
             stable = re.sub(r"-[0-9a-f]{8}$", "", req_id)
@@ -81,3 +91,89 @@ class FaultSwitch:
                     if c == n:
                         out[req_id] = ("ragged decode" if kind == "forward" else "metadata") + ": fault switch"
         return out
+
+
+@contextlib.contextmanager
+def _compaction_fails_after_first_layer():
+    """``ops.compact`` moves the first layer's bytes, then raises."""
+    from vllm_contour import ops
+
+    real = ops.compact
+
+    def compact(*a, **kw):
+        real(*a, **kw)
+        raise FaultInjected("fault switch: round failed after compacting layer 0")
+
+    ops.compact = compact
+    try:
+        yield
+    finally:
+        ops.compact = real
+
+
+def install(spec: str | None) -> FaultSwitch:
+    """Wrap the worker side's round planning and applying, step resolution and the CPU layout probe with
+    the faults ``spec`` names (a no-op for an empty spec)."""
+    from vllm_contour.integration.messages import PlanFailed
+    from vllm_contour.integration.worker.rounds import WorkerRounds
+    from vllm_contour.integration.worker.side import WorkerSide
+    from vllm_contour.ops import cpu_layout
+
+    fs = FaultSwitch(spec)
+    if not fs.on:
+        return fs
+    plan_all, apply_all, resolve = WorkerRounds.plan_all, WorkerRounds.apply_all, WorkerSide.resolve
+    offsets = cpu_layout.written_offsets
+
+    def uninstall():
+        WorkerRounds.plan_all, WorkerRounds.apply_all, WorkerSide.resolve = plan_all, apply_all, resolve
+        cpu_layout.written_offsets = offsets
+        cpu_layout.probe_layout.cache_clear()
+
+    fs.uninstall = uninstall
+
+    def faulty_plan_all(self, items, views, scale, layers, report, stats):
+        keep = []
+        for it in items:
+            if fs.hit("plan", it.req_id, it.seq):
+                report[it.req_id] = PlanFailed(it.seq, "FaultInjected: fault switch: plan failed")
+            else:
+                keep.append(it)
+        return plan_all(self, keep, views, scale, layers, report, stats)
+
+    def faulty_apply_all(self, planned, views, report, stats):
+        alone = [p for p in planned if fs.hit("apply", p[0].req_id, p[0].seq)]
+        apply_all(self, [p for p in planned if not any(p is a for a in alone)], views, report, stats)
+        for p in alone:  # moved on its own, failing after its first layer
+            with _compaction_fails_after_first_layer():
+                apply_all(self, [p], views, report, stats)
+
+    def faulty_resolve(self, step):
+        resolve(self, step)
+        if self.message is not None:
+            step.errors.update(fs.step_errors(self.message.keys, self.requests))
+
+    WorkerRounds.plan_all, WorkerRounds.apply_all, WorkerSide.resolve = faulty_plan_all, faulty_apply_all, faulty_resolve
+    if fs.scramble_layout:
+        def scrambled(write, *a, **kw):
+            def write_then_scramble(k, v, kc, vc, slots):
+                write(k, v, kc, vc, slots)
+                flat = torch.empty(0, dtype=kc.dtype).set_(kc.untyped_storage())
+                flat.copy_(flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))])
+
+            return offsets(write_then_scramble, *a, **kw)
+
+        cpu_layout.written_offsets = scrambled
+        cpu_layout.probe_layout.cache_clear()
+    return fs
+
+
+@contextlib.contextmanager
+def installed(spec: str):
+    """``install(spec)`` for the block, then the methods as they were (tests in one process)."""
+    fs = install(spec)
+    try:
+        yield fs
+    finally:
+        if fs.on:
+            fs.uninstall()

@@ -43,6 +43,11 @@ COUNTERS = {
     "reconstructions_reused": "Rounds scored with the KVzip scores kept from an earlier request's reconstruction "
                               "of the same context (no reconstruction ran for them)",
     "tokens_evicted": "Tokens evicted (summed over layers and KV heads, divided by layers x heads)",
+    "predicted_rows": "Batch rows given a short context for vLLM's kernel before the step's message reached the "
+                      "worker (Model Runner V2 builds attention metadata first): compacted requests found by "
+                      "their expected next position",
+    "mispredicted_rows": "Of those, rows the step's message did not make compacted (their request fails alone; "
+                         "never expected)",
 }
 LABELLED = {
     # name: (help, label name)

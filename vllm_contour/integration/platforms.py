@@ -11,7 +11,6 @@ A platform missing here refuses ``--kv-eviction-policy`` at start-up, naming the
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,11 +25,14 @@ _FULL_GRAPHS = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
 
 def _prepare_cuda(engine_args) -> None:
-    """vLLM's Triton backend, V1 model runner, piecewise CUDA graphs, an unquantised cache."""
+    """vLLM's Triton backend, piecewise CUDA graphs, an unquantised cache, no async scheduling; either model
+    runner (Model Runner V2 where vLLM picks it, its default for Llama/Qwen-family models)."""
     chosen = getattr(engine_args, "attention_backend", None)
     ac = getattr(engine_args, "attention_config", None)
     chosen = chosen or (ac.get("backend") if isinstance(ac, dict) else getattr(ac, "backend", None))
     name = getattr(chosen, "name", chosen)
+    if name is not None and str(name).lower() == "auto":
+        name = None
     if name is not None and str(name).upper() != "TRITON_ATTN":
         raise EvictionConfigError(
             f"--attention-backend {name} cannot be combined with --kv-eviction-policy on CUDA: eviction runs "
@@ -48,10 +50,11 @@ def _prepare_cuda(engine_args) -> None:
     if getattr(engine_args, "kv_cache_dtype", "auto") not in (None, "auto"):
         raise EvictionConfigError(f"--kv-cache-dtype {engine_args.kv_cache_dtype} cannot be combined with "
                                   "--kv-eviction-policy (use auto)")
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true"):
-        raise EvictionConfigError("VLLM_USE_V2_MODEL_RUNNER=1 cannot be combined with --kv-eviction-policy: the "
-                                  "plugin runs on vLLM's V1 model runner; unset it")
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # inherited by the engine processes
+    if getattr(engine_args, "async_scheduling", None):
+        raise EvictionConfigError(
+            "--async-scheduling cannot be combined with --kv-eviction-policy: a round's freed blocks and its "
+            "outcome must reach the scheduler before it schedules the next step; drop --async-scheduling")
+    engine_args.async_scheduling = False  # vLLM turns it on by default on CUDA
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,8 @@ class Platform:
 
 
 PLATFORMS = {
-    "cpu": Platform("cpu", "CPU_ATTN", "vllm_contour.integration.backend.ContourCPUAttentionBackend", _prepare_cpu),
-    "cuda": Platform("cuda", "TRITON_ATTN", "vllm_contour.integration.triton_backend.ContourTritonAttentionBackend",
+    "cpu": Platform("cpu", "CPU_ATTN", "vllm_contour.integration.backends.cpu.ContourCPUAttentionBackend", _prepare_cpu),
+    "cuda": Platform("cuda", "TRITON_ATTN", "vllm_contour.integration.backends.triton.ContourTritonAttentionBackend",
                      _prepare_cuda),
 }
 

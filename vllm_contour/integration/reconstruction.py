@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from vllm_contour.reconstruction import CHUNK_TOKENS, RepeatPrompt, chunks
-from vllm_contour.integration.state import CaptureItem, ReconItem
+from vllm_contour.integration.messages import CaptureItem, ReconItem
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

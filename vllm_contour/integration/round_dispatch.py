@@ -14,7 +14,7 @@ from vllm_contour.integration.reconstruction import Reconstructions, context_key
 from vllm_contour.integration.request_blocks import RequestBlocks
 from vllm_contour.integration.scheduler_events import SchedulerEvents
 from vllm_contour.integration.scheduler_records import Tracked
-from vllm_contour.integration.state import CaptureItem, ReconItem, RoundItem, ScoresRef
+from vllm_contour.integration.messages import CaptureItem, ReconItem, RoundItem, ScoresRef
 
 
 class RoundDispatch:

@@ -32,7 +32,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
-from vllm_contour.integration.reports import ContourReport
+from vllm_contour.integration.messages import ContourReport
 
 logger = init_logger("vllm.contour")
 
@@ -72,13 +72,15 @@ class ContourScheduler(Scheduler):
             side.reset_shared()
         return super().reset_prefix_cache(*args, **kwargs)
 
-    def _get_local_prefix_cache_hit(self, request):
-        blocks, n, boundary, diverged = super()._get_local_prefix_cache_hit(request)
+    def _get_local_prefix_cache_hit(self, request, *args, **kwargs):
+        # vLLM >= 0.33 also passes max_cache_hit_length (the most a hit may cover), positionally
+        blocks, n, boundary, diverged = super()._get_local_prefix_cache_hit(request, *args, **kwargs)
         side = self._contour_side()
         if side is None:
             return blocks, n, boundary, diverged
+        cap = args[0] if args else kwargs.get("max_cache_hit_length")
         shared = side.shared_hit(request)
-        if shared is not None:  # a shared compressed context: its blocks and C tokens are the hit
+        if shared is not None and (cap is None or shared[1] <= cap):  # a shared compressed context: its blocks
             table, c = shared  # vLLM counts it in its prefix-cache hits and the request's cached tokens
             return self.kv_cache_manager.create_kv_cache_blocks((table,)), c, 0, False
         if n == 0:

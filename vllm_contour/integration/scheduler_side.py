@@ -39,14 +39,14 @@ from vllm_contour.config import EvictionConfig, RequestEviction, request_setting
 from vllm_contour.integration.context_publisher import ContextPublisher
 from vllm_contour.integration.metrics import ContourStats
 from vllm_contour.integration.reconstruction import Reconstructions
-from vllm_contour.integration.reports import ContourMetadata, ContourReport
+from vllm_contour.integration.messages import ContourMetadata, ContourReport
 from vllm_contour.integration.request_blocks import RequestBlocks
 from vllm_contour.integration.round_dispatch import RoundDispatch
 from vllm_contour.integration.round_outcomes import RoundOutcomes
 from vllm_contour.integration.scheduler_events import SchedulerEvents
 from vllm_contour.integration.scheduler_records import Tracked
 from vllm_contour.integration.shared_contexts import SharedContexts
-from vllm_contour.integration.state import CaptureItem, RoundItem
+from vllm_contour.integration.messages import CaptureItem, RoundItem
 from vllm_contour.policies import build_policy
 
 if TYPE_CHECKING:
@@ -257,19 +257,18 @@ class SchedulerSide:
         rounds: list[RoundItem] = []
         captures: list[CaptureItem] = []
         self.blocks.entry_ids = self.shared.entry_block_ids() if self.shared.entries else set()
-        scheduled = [r.req_id for r in scheduler_output.scheduled_new_reqs]
-        scheduled += list(scheduler_output.scheduled_cached_reqs.req_ids)
+        cached = scheduler_output.scheduled_cached_reqs
+        computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         keys: dict[str, tuple[int, int]] = {}
-        for req_id in scheduled:
+        row_keys = self._row_keys(computed)
+        for req_id in computed:
             t = self.tracked.get(req_id)
             if t is None or (t.params is None and not t.compacted):
                 continue
             try:
-                # the row key: the block receiving the request's first new token of this step
-                blocks = self.blocks.of(req_id)
-                i = t.request.num_computed_tokens // self.block_size
-                if i < len(blocks) and not blocks[i].is_null:
-                    keys[req_id] = (blocks[i].block_id, t.epoch)
+                if req_id in row_keys:
+                    keys[req_id] = (row_keys[req_id], t.epoch)
                 if t.params is not None:
                     self._prepare(t)
                     self.dispatch.step(t, scheduler_output.num_scheduled_tokens.get(req_id, 0), rounds, captures)
@@ -281,9 +280,23 @@ class SchedulerSide:
         if self.blocks.caching:
             for name, value in self.shared.gauges().items():
                 self.events.stats.gauge(name, value)
-        return ContourMetadata(rounds=rounds, capture=captures, dropped=dropped, keys=keys, adopt=adopt,
+        return ContourMetadata(rounds=rounds, capture=captures, dropped=dropped, keys=keys, row_keys=row_keys,
+                               adopt=adopt,
                                shared_dropped=self.shared.take_dropped(), recon=recon,
                                scores_dropped=self.recon.take_dropped_scores())
+
+    def _row_keys(self, computed: dict[str, int]) -> dict[str, int]:
+        """Each scheduled request's row key: the block receiving its first new token of this step."""
+        out = {}
+        for req_id, n in computed.items():
+            try:
+                blocks = self.blocks.of(req_id)
+                i = n // self.block_size
+                if i < len(blocks) and not blocks[i].is_null:
+                    out[req_id] = blocks[i].block_id
+            except Exception:  # never into vLLM: that row is not matched this step
+                pass
+        return out
 
     def apply(self, report: ContourReport) -> None:
         """The workers' outcomes of this step's rounds (``round_outcomes.py``)."""

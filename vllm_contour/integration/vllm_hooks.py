@@ -185,10 +185,6 @@ HOOKS: tuple[Hook, ...] = (
     Hook("vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager._null_block", None, "read",
          "a slot a round emptied holds vLLM's null block", "integration/manager.py"),
     # ---- worker side: attention backends and ops
-    Hook("vllm.envs:VLLM_USE_V2_MODEL_RUNNER", None, "written (environment variable, inherited by the engine "
-         "processes; on CUDA with eviction on)", "CUDA eviction runs on vLLM's V1 model runner: set to 0, =1 "
-         "refused. vLLM 0.34 removed the V1 runner and refuses the variable set to anything but 1, so no row "
-         "applies from 0.34 on", "integration/platforms.py", versions="<0.34"),
     Hook("vllm.distributed.kv_transfer:get_kv_transfer_group", (), "called",
          "the attention backend finds this worker's side of the plugin's KV connector",
          "integration/backends/common.py"),

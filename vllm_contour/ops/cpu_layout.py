@@ -164,18 +164,12 @@ def written_offsets(write, dtype: torch.dtype, block_size: int, head_dim: int):
 
 
 @functools.lru_cache(maxsize=None)
-def probe_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int,
-                 scramble: bool = False) -> PageLayout:
-    """The layout vLLM's ``cpu_attn_reshape_and_cache`` writes for (isa, dtype, bs, D), measured.
-    ``scramble`` (test-only fault switch) shuffles the written page before it is read: an unknown layout."""
+def probe_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> PageLayout:
+    """The layout vLLM's ``cpu_attn_reshape_and_cache`` writes for (isa, dtype, bs, D), measured."""
     from vllm import _custom_ops as vops
 
     def write(k, v, kc, vc, slots):
         vops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
-        if scramble:
-            page = kc.untyped_storage()
-            flat = torch.empty(0, dtype=kc.dtype).set_(page)
-            flat.copy_(flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))])
 
     what = f"isa={isa} dtype={str(dtype).replace('torch.', '')} block_size={block_size} head_dim={head_dim}"
     advice = _advice(dtype)

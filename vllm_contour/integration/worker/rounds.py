@@ -1,42 +1,39 @@
 """The step's eviction rounds on a worker, after the forward (all layers' KV written). Every round is planned
 first (policy, allocation, layout, moment pages, bounds; nothing written; decode-time rounds with the same
-eviction parameters in one policy pass, each plan the one its request gets alone): a plan that fails leaves its
-request exactly as it was and is reported ``plan_failed``. Then the bytes of all
-planned rounds move together (``evictor.apply_rounds``: one compaction per layer for every request due in
-the step); a failure from there on is reported ``recompute`` for the rounds that moved bytes in place and
-their state is dropped, so the scheduler recomputes them densely. Nothing here raises into vLLM's engine
-loop."""
+eviction parameters in one policy pass, each plan the one its request gets alone): a plan that fails leaves
+its request exactly as it was and is reported ``plan_failed``. Then the bytes of all planned rounds move
+together (``evictor.apply_rounds``: one compaction per layer for every request due in the step); a failure
+from there on is reported ``recompute`` for the rounds that moved bytes in place and their state is dropped,
+so the scheduler recomputes them densely. Nothing here raises into vLLM's engine loop.
+"""
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Callable
 
 import torch
 from vllm.logger import init_logger
 
 from vllm_contour import ops
 from vllm_contour.evictor import RoundPlan, RoundRequest, apply_rounds, clear_moment_pages, plan_rounds
-from vllm_contour.integration.faults import FaultSwitch
+from vllm_contour.integration.messages import Noop, Outcome, PlanFailed, Recompute, Round, RoundItem
 from vllm_contour.integration.metrics import ContourStats
-from vllm_contour.integration.reports import Noop, Outcome, PlanFailed, Recompute, Round
-from vllm_contour.integration.worker_reconstruction import round_scores
-from vllm_contour.integration.state import RoundItem, worker_state
+from vllm_contour.integration.worker.reconstruction import ContextScores
+from vllm_contour.integration.worker.requests import WorkerRequests
+from vllm_contour.ops.paged import dims
 from vllm_contour.policies import build_policy
 
 logger = init_logger("vllm.contour")
 
 Views = list[tuple[torch.Tensor, torch.Tensor]]
+Planned = tuple[RoundItem, RoundPlan, float]  # (item, plan, its planning seconds)
 
 
-def clear_unread(views: Views, layout, owner: str) -> None:
+def clear_unread(views: Views, requests: WorkerRequests, layout, owner: str) -> None:
     """Zero a layout's moment pages (raw fp32 bits, NaN patterns in bf16 slots) once nothing reads them:
     no shared compressed context and no request on this worker holds the layout any more."""
-    if layout is None or layout.moment_page_ids is None:
-        return
-    st = worker_state()
-    if any(x is layout for x in st.shared.values()) or any(o.layout is layout for o in st.requests.values()):
+    if layout is None or layout.moment_page_ids is None or requests.reads(layout):
         return
     try:
         clear_moment_pages(views, layout)
@@ -45,33 +42,37 @@ def clear_unread(views: Views, layout, owner: str) -> None:
 
 
 class WorkerRounds:
-    def __init__(self, faults: FaultSwitch):
-        self.faults = faults
+    def __init__(self, requests: WorkerRequests, scores: ContextScores):
+        self.requests = requests
+        self.scores = scores
         self._policies: dict[tuple, object] = {}
 
     def run(self, items: list[RoundItem], views: Views, scale: float, layers: tuple[int, int] | None,
             report: dict[str, Outcome], stats: ContourStats) -> None:
-        """Plan every round, move the planned ones together (a round the test-only fault switch fails while
-        applying is moved on its own), put each request's outcome into ``report``."""
-        planned = self._plan_all(items, views, scale, layers, report, stats)
-        alone = [p for p in planned if self.faults.hit("apply", p[0].req_id, p[0].seq)]
-        batch = [p for p in planned if not any(p is a for a in alone)]
-        for group, fail_at in [(batch, None)] + [([p], 0) for p in alone]:
-            if not group:
-                continue
-            t0 = time.perf_counter()
+        """Plan every round, move the planned ones together, put each request's outcome into ``report``."""
+        planned = self.plan_all(items, views, scale, layers, report, stats)
+        self.apply_all(planned, views, report, stats)
+
+    def apply_all(self, planned: list[Planned], views: Views, report: dict[str, Outcome],
+                  stats: ContourStats) -> None:
+        """Move the bytes of the planned rounds together (one compaction per layer)."""
+        if not planned:
+            return
+        t0 = time.perf_counter()
+        try:
+            apply_rounds(views, [plan for _, plan, _ in planned])
+        except Exception as e:
+            for item, plan, _ in planned:
+                report[item.req_id] = self._apply_failed(item, plan, f"{type(e).__name__}: {e}", views)
+            return
+        share = (time.perf_counter() - t0) / len(planned)
+        for item, plan, plan_seconds in planned:
             try:
-                apply_rounds(views, [plan for _, plan, _ in group], fail_after_layer=fail_at)
-            except Exception as e:
-                for item, plan, _ in group:
-                    report[item.req_id] = self._apply_failed(item, plan, f"{type(e).__name__}: {e}",
-                                                             lambda lay: clear_unread(views, lay, item.req_id))
-                continue
-            share = (time.perf_counter() - t0) / len(group)
-            for item, plan, plan_seconds in group:
                 report[item.req_id] = self._applied(item, plan, views, stats, plan_seconds, share)
-        if len(batch) > 1:
-            stats.add("batched_rounds", len(batch))
+            except Exception as e:  # its bytes moved, its state did not follow: recomputed densely
+                report[item.req_id] = self._apply_failed(item, plan, f"{type(e).__name__}: {e}", views)
+        if len(planned) > 1:
+            stats.add("batched_rounds", len(planned))
 
     def _policy(self, params):
         key = (params.policy, params.sink_tokens, params.recent_window,
@@ -85,18 +86,15 @@ class WorkerRounds:
                                                      recent_window=params.recent_window)
         return pol
 
-    def _plan_all(self, items: list[RoundItem], views: Views, scale: float, layers, report: dict,
-                  stats: ContourStats) -> list:
+    def plan_all(self, items: list[RoundItem], views: Views, scale: float, layers, report: dict,
+                 stats: ContourStats) -> list[Planned]:
         """Plan every round: decode-time rounds with the same eviction parameters as one (``plan_rounds``: each
         request's input, its kept tokens and tail, is alive until the joint selection), first rounds and the
-        rounds of a group whose joint plan fails one by one (so a failure stays with its request); a round the
-        test-only fault switch fails is reported failed."""
+        rounds of a group whose joint plan fails one by one (so a failure stays with its request)."""
         groups: dict[tuple, list[RoundItem]] = {}
         alone = []
         for item in items:
-            if self.faults.hit("plan", item.req_id, item.seq):
-                report[item.req_id] = PlanFailed(item.seq, "FaultInjected: fault switch: plan failed")
-            elif worker_state().state_for(item.req_id).layout is None:  # a first round reads the whole prompt
+            if self.requests.layout_of(item.req_id) is None:  # a first round reads the whole prompt
                 alone.append(item)
             else:  # decode-time rounds (inputs of the budget's size) with equal parameters
                 groups.setdefault((repr(item.params), item.budget), []).append(item)
@@ -117,16 +115,16 @@ class WorkerRounds:
                     report[item.req_id] = Noop(item.seq)
                 else:
                     planned.append((item, plan, plan.seconds))
-        return planned + [p for p in (self._plan(item, views, scale, layers, report) for item in alone)
+        return planned + [p for p in (self.plan_one(item, views, scale, layers, report) for item in alone)
                           if p is not None]
 
     def _request(self, item: RoundItem) -> RoundRequest:
-        rs = worker_state().state_for(item.req_id)
+        rs = self.requests.state_for(item.req_id)
         queries, qpos = rs.ring.layer_queries() if rs.ring is not None else (None, None)
-        recon = round_scores(item) if self._policy(item.params).needs_reconstruction else None
+        recon = self.scores.for_round(item) if self._policy(item.params).needs_reconstruction else None
         return RoundRequest(item.block_ids, item.num_tokens, rs.layout, queries, qpos, item.fresh_ids, recon)
 
-    def _plan(self, item: RoundItem, views: Views, scale: float, layers, report: dict):
+    def plan_one(self, item: RoundItem, views: Views, scale: float, layers, report: dict) -> Planned | None:
         """-> ``(item, plan, seconds)``, or None with the outcome reported (nothing to evict, or failed)."""
         t0 = time.perf_counter()
         try:
@@ -140,20 +138,20 @@ class WorkerRounds:
             return None
         return item, plan, time.perf_counter() - t0
 
-    @staticmethod
-    def _apply_failed(item: RoundItem, plan: RoundPlan, reason: str, clear: Callable) -> Outcome:
+    def _apply_failed(self, item: RoundItem, plan: RoundPlan, reason: str, views: Views) -> Outcome:
         if plan.fresh:  # only the private blocks were written: the request's cache is as it was
             return PlanFailed(item.seq, f"apply: {reason}")
-        worker_state().drop(item.req_id)  # its cache no longer matches any layout: the scheduler recomputes it
+        self.requests.drop(item.req_id)  # its cache no longer matches any layout: the scheduler recomputes it
         for lay in (plan.prev, plan.layout):
-            clear(lay)
+            clear_unread(views, self.requests, lay, item.req_id)
         return Recompute(item.seq, reason)
 
-    @staticmethod
-    def _applied(item: RoundItem, plan: RoundPlan, views: Views, stats: ContourStats, plan_seconds: float,
+    def _applied(self, item: RoundItem, plan: RoundPlan, views: Views, stats: ContourStats, plan_seconds: float,
                  apply_seconds: float) -> Outcome:
         layout = plan.layout
-        worker_state().set_layout(item.req_id, layout)
+        bs = dims(views[0][0])[2]
+        last = item.block_ids[(item.num_tokens - 1) // bs] if item.num_tokens > 0 else None
+        self.requests.set_layout(item.req_id, layout, item.num_tokens, last)
         stats.add("policy_seconds", plan_seconds)
         stats.add("compact_seconds", apply_seconds)
         if plan.prev is not None:
@@ -162,10 +160,9 @@ class WorkerRounds:
         stats.observe("round_seconds", plan_seconds + apply_seconds)
         return Round(item.seq, layout.region_blocks, layout.kept_blocks,
                      freed=tuple(zip(plan.freed_slots, plan.freed_blocks)), replaced=tuple(map(tuple, plan.replaced)),
-                     published=WorkerRounds._publish(item, layout, views))
+                     published=self._publish(item, layout, views))
 
-    @staticmethod
-    def _publish(item: RoundItem, layout, views: Views) -> int | None:
+    def _publish(self, item: RoundItem, layout, views: Views) -> int | None:
         """Keep a context round's layout (and a snapshot of its partial block, copied before any question
         token is written into it) as a shared compressed context; None when there is none or it failed."""
         if item.publish is None:
@@ -174,7 +171,7 @@ class WorkerRounds:
         try:
             if src is not None:
                 ops.copy_blocks(views, [(src, dst)])
-            worker_state().shared[eid] = layout
+            self.requests.shared[eid] = layout
             return eid
         except Exception as e:
             logger.warning("kv_eviction: %s: the compressed context is not shared (%s)", item.req_id, e)

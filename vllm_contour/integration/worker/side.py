@@ -1,0 +1,304 @@
+"""Worker side of eviction, one per worker process, made by the KV connector's worker role (vLLM creates
+the connector where it creates the worker's state, and the attention backend finds it through vLLM's
+``get_kv_transfer_group``): everything that lives as long as the process (cache views, the evicting
+layers, the requests' state, KVzip's scores) is owned here.
+
+At start-up it checks that eviction can run here. Every step it takes the scheduler's message (requests
+that left, adopted shared contexts, the step's rounds and windows to capture), resolves the step the
+evicting group's builder made (``step.py``: which rows are compacted, which queries to keep), keeps the
+captured window queries after the forward, runs the step's rounds (``rounds.py``) and reports their
+outcomes. Nothing here raises into vLLM's engine loop.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.logger import init_logger
+
+from vllm_contour import ops
+from vllm_contour.budget import CacheShape
+from vllm_contour.config import EvictionConfig
+from vllm_contour.integration.messages import ContourMetadata, ContourReport, Outcome, Recompute
+from vllm_contour.integration.metrics import ContourStats
+from vllm_contour.integration.worker.reconstruction import ContextScores
+from vllm_contour.integration.worker.requests import QueryRing, WorkerRequests
+from vllm_contour.integration.worker.rounds import WorkerRounds, clear_unread
+from vllm_contour.integration.worker.step import ContourStep
+from vllm_contour.page_tables import RowError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger("vllm.contour")
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: "VllmConfig", config: EvictionConfig,
+                 layer_names: tuple[str, ...] | None = None):
+        self.vllm_config = vllm_config
+        self.layer_names = layer_names  # the full-attention layers (a hybrid model's others are vLLM's)
+        self.config = config
+        self.layer_index: dict[str, int] = {}  # the evicting layers, by name
+        self.requests = WorkerRequests()
+        self.scores = ContextScores()
+        self.rounds = WorkerRounds(self.requests, self.scores)
+        self._layer_caches: list[tuple[str, torch.Tensor]] = []
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._shape: CacheShape | None = None
+        self._scale: float | None = None
+        self._stage_layers: tuple[int, int] | None = None
+        self._report: dict[str, Outcome] = {}
+        self._stats = ContourStats()
+        # the step: the scheduler's message (begin_step .. after_forward), the builder's step once resolved,
+        # and the requests whose output of this step is wrong
+        self.message: ContourMetadata | None = None
+        self.step: ContourStep | None = None
+        self._step_reqs: list[str] = []
+        self._errors: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ start-up
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Every "can eviction run here" check happens here, at engine start: the cache views of the
+        attention backend in use (on CPU a layout probe: an unknown layout stops the engine with a message
+        naming dtype and ISA), one attention scale for all layers, the ops' implementations (missing C++
+        kernels: a warning, the torch reference runs); the kernel-ready page tables are made on the
+        caches' device."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        from vllm_contour.ops.paged import dims
+        from vllm_contour.page_tables import PageTables
+
+        named = sorted(((n, kv) for n, kv in kv_caches.items() if self.layer_names is None or n in self.layer_names),
+                       key=lambda kv: extract_layer_index(kv[0]))
+        self._layer_caches = named
+        self.layer_index = {name: i for i, (name, _) in enumerate(named)}
+        impls = self._layers()
+        views = getattr(next(iter(impls.values())).impl, "kv_views", None)
+        if views is None:
+            raise ValueError("kv_eviction: the attention backend in use is not the plugin's (another "
+                             "--attention-backend?); eviction cannot run")
+        self._views = [views(kv) for _, kv in named]
+        k0 = self._views[0][0]
+        _, heads, bs, hd = dims(k0)
+        self._shape = CacheShape.of(block_size=bs, num_kv_heads=heads, head_dim=hd, dtype=k0.dtype)
+        self._layer_scale()  # layers with different attention scales cannot share one round: stop here
+        # a pipeline stage's layers are a slice of the model's: depth-dependent policies see the whole model
+        # (a hybrid model's evicting layers are a subset of every stage's: they count among themselves)
+        total = getattr(self.vllm_config.model_config.hf_text_config, "num_hidden_layers", None) or len(named)
+        first = extract_layer_index(named[0][0])
+        self._stage_layers = (0, len(named)) if len(named) < len(kv_caches) else (first, max(total, first + len(named)))
+        self.requests.tables = PageTables(len(named), heads, bs, named[0][1].shape[0], device=k0.device)
+        self._check_query_buffers(len(named), k0)
+        dev = k0.device.type
+        op_impls = ops.implementations(dev)
+        self._stats.info("ops", op_impls)
+        from vllm_contour.ops import cpu_ext
+
+        if dev == "cpu" and (op_impls["ragged_decode_attention"] == "torch" or op_impls["compact"] == "torch"):
+            logger.warning("kv_eviction: the C++ kernels (vllm_contour._C) are not loaded (%s); eviction falls "
+                           "back to the torch reference ops: decoding compacted requests is ~4-7x slower than "
+                           "vLLM's own kernel. Reinstall with `pip install --no-build-isolation -e .` to build "
+                           "them.", cpu_ext.LOAD_ERROR or "VLLM_CONTOUR_OPS_IMPL forces torch")
+        logger.info("kv_eviction: worker ready (pid %d): %d layers, %d KV heads, head dim %d, block %d, %s on %s, "
+                    "key view strides %s, value %s; ops %s", os.getpid(), len(named), self._shape.num_kv_heads,
+                    self._shape.head_dim, self._shape.block_size, k0.dtype, k0.device, tuple(k0.stride()),
+                    tuple(self._views[0][1].stride()), op_impls)
+
+    def _check_query_buffers(self, num_layers: int, k0: torch.Tensor) -> None:
+        """The window-query buffers live outside vLLM's pool: at most one per running request, each
+        ``layers x query heads x window x head dim``. Their bound is counted at start-up, and on a GPU
+        checked against the memory vLLM left free (a request asking for a larger window is refused)."""
+        layer = next(iter(self._layers().values()))
+        per_req = num_layers * layer.impl.num_heads * self.config.window * self._shape.head_dim * k0.element_size()
+        bound = per_req * self.vllm_config.scheduler_config.max_num_seqs
+        self._stats.gauge("query_buffer_bound_bytes", bound)
+        if k0.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(k0.device)
+            if bound > free:
+                raise ValueError(
+                    f"kv_eviction: the window-query buffers of {self.vllm_config.scheduler_config.max_num_seqs} "
+                    f"requests need up to {bound / 2**20:.0f} MiB outside vLLM's KV pool, {free / 2**20:.0f} MiB "
+                    "are free: lower --gpu-memory-utilization, --max-num-seqs or --kv-observation-window")
+        logger.info("kv_eviction: window-query buffers: %.1f MiB per request, at most %.0f MiB", per_req / 2**20,
+                    bound / 2**20)
+
+    def _layers(self):
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        return get_layers_from_vllm_config(self.vllm_config, Attention, [n for n, _ in self._layer_caches])
+
+    def _layer_scale(self) -> float:
+        if self._scale is None:
+            scales = {float(layer.impl.scale) for layer in self._layers().values()}
+            if len(scales) != 1:
+                raise ValueError(f"kv_eviction: layers use different attention scales {scales}")
+            self._scale = scales.pop()
+        return self._scale
+
+    # ------------------------------------------------------------------ every step
+    def begin_step(self, md: ContourMetadata) -> None:
+        """The scheduler's message for this step (before the forward; before or after the builder ran)."""
+        reqs = self.requests
+        self.message = md
+        self._errors = {}
+        try:
+            for req_id in md.dropped:
+                self._release_layout(req_id)
+            for req_id, (key, epoch) in md.keys.items():
+                reqs.state_for(req_id, epoch)  # a request that started over loses its old state here
+            for req_id, eid in md.adopt.items():  # it starts with a shared compressed context
+                layout = reqs.shared.get(eid)
+                if layout is None:
+                    self._errors[req_id] = f"shared compressed context {eid} is not on this worker"
+                else:
+                    reqs.set_layout(req_id, layout)
+            for eid in md.shared_dropped:  # after the adoptions: one may name an entry dropped in this step
+                self._clear_unread(reqs.shared.pop(eid, None), f"shared context {eid}")
+            captures = [c for c in md.capture if c.req_id in md.keys]
+            hidden = {it.req_id for it in md.recon}
+            for c in captures:
+                if c.req_id in hidden:  # a hidden request's repeat tokens: folded into its owner's scores
+                    continue
+                rs = reqs.state_for(c.req_id)
+                if rs.ring is None or rs.ring.window != c.window:
+                    rs.ring = QueryRing(c.window)
+            keys = {r: key for r, (key, _) in md.keys.items()}
+            self._step_reqs = reqs.tables.set_keys(keys, [(c.req_id, keys[c.req_id], c.start, c.end)
+                                                          for c in captures])
+        except Exception as e:  # never into vLLM: forget this step's work, keep serving
+            logger.warning("kv_eviction: could not start the step (%s); no round this step", e)
+            self.message = ContourMetadata(keys=md.keys)
+            self._step_reqs = []
+            # compacted rows cannot reach their kernel this step: they fail alone
+            self._errors.update({r: f"step start: {e}" for r in reqs.compacted() if r in md.keys})
+
+    def new_step(self, cm) -> ContourStep:
+        """The evicting group's builder's step: resolved now when the step's message is here (vLLM's V1
+        model runner), else predicted and resolved by the first layer (Model Runner V2)."""
+        step = ContourStep(self, cm)
+        if self.message is not None:
+            step.resolve()
+        elif self.requests.tables is not None and len(self.requests.tables):
+            step.predicted = self.requests.tables.predict(step.query_start_loc, step.seq_lens, step.block_table,
+                                                          step.num_reqs)
+        return step
+
+    def resolve(self, step: ContourStep) -> None:
+        """Match the step's batch rows to its compacted requests and captures (``PageTables.step``); on the
+        host the per-token tables are expanded here, so a bad row fails before attention runs."""
+        if self.message is None or self.requests.tables is None:
+            return  # no step message (a profile or dummy run): nothing of the plugin's in this batch
+        self.step = step
+        if not (self._step_reqs or self.message.capture):
+            return
+        try:
+            rows, cap = self.requests.tables.step(self._step_reqs, step.query_start_loc, step.seq_lens,
+                                                  step.block_table, step.num_reqs, step.num_tokens,
+                                                  step.max_seq_len)
+            if rows is not None and rows.block_table.device.type == "cpu":
+                rows.tables_for_cpu()
+        except Exception as e:  # never into vLLM: vLLM's kernel serves every row, compacted ones fail alone
+            logger.warning("kv_eviction: metadata for compacted rows failed (%s)", e)
+            step.fail(e.req_ids if isinstance(e, RowError) else self._step_reqs, f"metadata: {e}")
+            return
+        step.rows, step.capture = rows, cap
+
+    def _release_layout(self, req_id: str) -> None:
+        """Forget a request (finished, preempted, recomputed) and zero its moment pages unless a shared
+        compressed context or another request still reads them: its blocks go back to vLLM's pool."""
+        self.scores.drop_owner(req_id)
+        rs = self.requests.drop(req_id)
+        self._clear_unread(rs.layout if rs is not None else None, req_id)
+
+    def _clear_unread(self, layout, owner: str) -> None:
+        clear_unread(self._views, self.requests, layout, owner)
+
+    def after_forward(self) -> None:
+        md, step = self.message, self.step
+        self.message, self.step, self._step_reqs = None, None, []
+        if md is None:
+            return
+        try:
+            try:
+                self._store_captures(md, step)
+            except Exception as e:
+                logger.warning("kv_eviction: could not store captured queries (%s)", e)
+            self._check_prediction(md, step)
+            self.rounds.run(list(md.rounds), self._views, self._layer_scale() if md.rounds else 0.0,
+                            self._stage_layers, self._report, self._stats)
+            self.scores.drop_kept(md.scores_dropped)  # after the rounds: one of them may have read them
+            self._stats.gauge("query_buffer_bytes", self.requests.ring_bytes() + self.scores.nbytes)
+        except Exception as e:  # never into vLLM: a round without an outcome may have moved bytes
+            logger.warning("kv_eviction: the step's rounds failed (%s)", e)
+            for it in md.rounds:
+                if it.req_id not in self._report:
+                    self.requests.drop(it.req_id)
+                    self._report[it.req_id] = Recompute(it.seq, f"{type(e).__name__}: {e}")
+        if step is not None:
+            self._errors.update(step.errors)
+
+    def _check_prediction(self, md: ContourMetadata, step: ContourStep | None) -> None:
+        """A row the builder shortened for vLLM's kernel by prediction that the message does not make a
+        compacted request's has a wrong output this step: its request fails alone (never expected)."""
+        bad = step.mispredicted() if step is not None else None
+        if bad is None:
+            return
+        self._stats.add("predicted_rows", int(step.predicted.sum()))
+        if not bool(bad.any()):
+            return
+        b = step.num_reqs
+        qsl = step.query_start_loc[: b + 1].to(torch.int64)
+        first = step.seq_lens[:b].to(torch.int64) - (qsl[1:] - qsl[:-1])
+        col = (first // self._shape.block_size).clamp(0, step.block_table.shape[1] - 1)
+        key = step.block_table[:b].gather(1, col.view(-1, 1)).squeeze(1)
+        by_key = {k: r for r, k in md.row_keys.items()}
+        for row in bad.nonzero().squeeze(1).tolist():
+            req_id = by_key.get(int(key[row]))
+            logger.warning("kv_eviction: row %d (%s) was given a short context for vLLM's kernel but is not a "
+                           "compacted request's", row, req_id)
+            self._stats.add("mispredicted_rows", 1)
+            if req_id is not None:
+                self._errors[req_id] = "attention: a short context for vLLM's kernel by misprediction"
+
+    def _store_captures(self, md: ContourMetadata, step: ContourStep | None) -> None:
+        cap = step.capture if step is not None else None
+        if cap is None or not step.staged:
+            return
+        stacked = torch.stack([step.staged[layer] for layer in sorted(step.staged)])  # [L, total, Hq, D]
+        recon = {it.req_id: it for it in md.recon}
+        off = 0
+        for req_id, pos0, n in cap.owners:
+            rs = self.requests.requests.get(req_id)
+            item = recon.get(req_id)
+            if item is not None and n > 0:  # a hidden request's repeat tokens: KVzip scores of its owner
+                try:
+                    self.scores.fold(item, torch.arange(pos0, pos0 + n, device=stacked.device),
+                                     stacked[:, off: off + n], self._views, self._layer_scale())
+                except Exception as e:  # the owner's round then fails to plan: it is served densely
+                    logger.warning("kv_eviction: %s: reconstruction scores failed (%s)", item.owner, e)
+                    self.scores.drop_owner(item.owner)
+            elif rs is not None and rs.ring is not None and n > 0:
+                rs.ring.write(torch.arange(pos0, pos0 + n, device=stacked.device), stacked[:, off: off + n])
+            off += n
+
+    def take_report(self) -> ContourReport | None:
+        """The step's outcomes. A vLLM that asks before it lets the step finish (``wait_for_save`` deferred
+        past the report, as vLLM 0.34's Model Runner V2 does with a speculator) gets the step's rounds run
+        first, so an outcome always travels with its own step."""
+        if self.message is not None:
+            self.after_forward()
+        if not self._report and not self._errors:
+            return None
+        report = ContourReport(self._report, self._errors)
+        self._report, self._errors = {}, {}
+        return report
+
+    def take_stats(self) -> ContourStats | None:
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, ContourStats()
+        return out

@@ -1,0 +1,104 @@
+"""One engine step's eviction data, carried the way vLLM's backends carry theirs: the metadata builder of
+the evicting KV cache group makes a ``ContourStep`` from the step's batch and returns it inside the
+attention metadata it builds (``StepField``); each layer's impl reads it from the metadata it is given.
+
+Which rows are compacted requests', and which tokens fall in an observation window, also needs the
+scheduler's message for the step (its row keys and captures). vLLM's KV connector hands that message to
+the worker before the forward: before the metadata is built on the V1 model runner, after it on Model
+Runner V2. So a step is resolved (``resolve``) once, by the builder when the message is already there,
+else by the first layer that reads it. vLLM's kernel, which still runs over the whole batch, gets a short
+context for the compacted rows (their output is the plugin's): from the resolved rows, or from the page
+tables' prediction (``PageTables.predict``) when the builder runs before the message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm_contour.page_tables import CaptureWindows, StepRows
+
+if TYPE_CHECKING:
+    from vllm_contour.integration.worker.side import WorkerSide
+
+
+class ContourStep:
+    """The batch of one step as the evicting group's builder saw it, and what it resolves to."""
+
+    def __init__(self, worker: "WorkerSide", cm):
+        self.worker = worker
+        self.query_start_loc = cm.query_start_loc
+        self.seq_lens = cm.seq_lens
+        self.block_table = cm.block_table_tensor
+        self.num_reqs = cm.num_reqs
+        self.num_tokens = int(cm.query_start_loc_cpu[cm.num_reqs])
+        self.max_seq_len = int(cm.max_seq_len)
+        self.predicted: torch.Tensor | None = None  # [B] bool: rows shortened for vLLM's kernel by prediction
+        self.rows: StepRows | None = None
+        self.capture: CaptureWindows | None = None
+        self.staged: dict[int, torch.Tensor] = {}  # layer -> captured queries of the step [total, Hq, D]
+        self.errors: dict[str, str] = {}  # requests whose output of this step is wrong
+        self.resolved = False
+
+    def layer(self, layer_name: str) -> int | None:
+        """The layer's index among the evicting layers (None: not one of them)."""
+        return self.worker.layer_index.get(layer_name)
+
+    def resolve(self) -> tuple[StepRows | None, CaptureWindows | None]:
+        if not self.resolved:
+            self.resolved = True
+            self.worker.resolve(self)
+        return self.rows, self.capture
+
+    def stock_seq_lens(self, seq_lens: torch.Tensor) -> torch.Tensor | None:
+        """Lengths for vLLM's kernel: compacted rows get a context as long as their own query (their output
+        is overwritten); None when no row changes."""
+        b = self.num_reqs
+        q_lens = self.query_start_loc[1: b + 1] - self.query_start_loc[:b]
+        if self.resolved:
+            if self.rows is None:
+                return None
+            mine = self.rows.row_req >= 0
+        elif self.predicted is not None:
+            mine = self.predicted
+        else:
+            return None
+        return torch.where(mine, q_lens.to(seq_lens.dtype), seq_lens[:b])
+
+    def mispredicted(self) -> torch.Tensor | None:
+        """``[B]`` bool: rows shortened by prediction that the step's message does not make compacted (their
+        vLLM output is wrong); None when nothing was predicted."""
+        if self.predicted is None:
+            return None
+        if self.rows is None:
+            return self.predicted
+        return self.predicted & (self.rows.row_req < 0)
+
+    def stage(self, layer_idx: int, q3: torch.Tensor) -> None:
+        """Keep the layer's queries of the tokens that fall in an observation window (``capture``)."""
+        cap = self.capture
+        n = cap.dst.numel()
+        buf = q3.new_zeros((cap.total + 1, *q3.shape[1:]))
+        buf.index_copy_(0, cap.dst, q3[:n])
+        self.staged[layer_idx] = buf[: cap.total]
+
+    def fail(self, req_ids, why: str) -> None:
+        for req_id in req_ids:
+            self.errors[req_id] = why
+
+
+@dataclass
+class StepField:
+    """Mixed into a vLLM attention metadata class: the step the builder made (None: no eviction here)."""
+
+    contour: ContourStep | None = field(default=None, kw_only=True)
+
+
+def with_step(cls, md, step: ContourStep | None):
+    """``md`` (vLLM's metadata, as its builder made it) as ``cls`` (its subclass with ``StepField``)."""
+    out = cls.__new__(cls)
+    out.__dict__.update(md.__dict__)
+    out.contour = step
+    return out
