@@ -68,6 +68,32 @@ def test_a_stale_report_changes_nothing(pool_and_manager):
     assert mgr.not_hashed == {"r"}  # test_hooks_manager.py: its blocks are not hashed until it is freed
 
 
+def test_a_report_whose_replaced_slot_now_holds_another_block_changes_nothing(pool_and_manager):
+    """A round's report names, for each slot a private block takes, the block the slot held when the round
+    was planned. When the slot holds another block by the time the report arrives (an earlier report already
+    replaced it, or freed it to the null block) the whole report is refused: the table, the pool's free
+    queue and every block's reference count stay as they were, the private block included."""
+    pool, mgr = pool_and_manager
+    blocks = pool.get_new_blocks(4)
+    mgr.req_to_blocks["r"].extend(blocks)
+    private = {b.block_id: b for b in pool.get_new_blocks(1)}
+    (p0,) = private
+    other = pool.get_new_blocks(1)[0]
+    for now in (other, mgr._null_block):  # slot 1 held blocks[1] when the round was planned
+        mgr.req_to_blocks["r"][1] = now
+        table = list(mgr.blocks("r"))
+        before, refs = _free(pool), [b.ref_cnt for b in table + [private[p0]]]
+        report = ((2, blocks[2].block_id),), ((1, blocks[1].block_id, p0),)
+        assert mgr.rewrite("r", *report, private) is None
+        assert mgr.blocks("r") == table and mgr.blocks("r")[1] is now and mgr.blocks("r")[2] is blocks[2]
+        assert _free(pool) == before and [b.ref_cnt for b in table + [private[p0]]] == refs
+    mgr.req_to_blocks["r"][1] = blocks[1]
+    assert mgr.rewrite("r", (), ((4, blocks[3].block_id, p0),), private) is None  # no such slot
+    released = mgr.rewrite("r", ((2, blocks[2].block_id),), ((1, blocks[1].block_id, p0),), private)
+    assert [b.block_id for b in released] == [blocks[2].block_id, blocks[1].block_id]  # the report, matching
+    assert mgr.blocks("r")[1] is private[p0] and mgr.blocks("r")[2].is_null
+
+
 def test_vllms_registry_picks_the_manager_for_the_plugins_spec_only():
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec

@@ -227,6 +227,175 @@ def test_compacted_attention_reads_the_two_part_lists(with_moments, segments):
         assert bool(others.any()) and bool((out[others] == 5.0).all())
 
 
+# ---- branches no caller reached before (issue 46, item 2): chunks spanning pages in the two-part lists,
+# head dims whose masks are partial, the 16-bit dot path. Each case records the constexprs the decode kernel
+# was launched with, so a case that stops reaching its branch fails instead of passing on another one.
+
+class _LaunchSpy:
+    """Stands in for ``kernels.ragged_decode_kernel``: records each launch's constexprs, then launches."""
+
+    KEYS = ("ONE_PAGE", "TWO_PART", "NATIVE_DOT", "SPLIT", "HAS_MOMENTS", "BLOCK_N", "BLOCK_D")
+
+    def __init__(self, fn):
+        self.fn, self.seen = fn, []
+
+    def __getitem__(self, grid):
+        launch = self.fn[grid]
+
+        def run(*args, **kw):
+            self.seen.append({k: kw[k] for k in self.KEYS})
+            return launch(*args, **kw)
+
+        return run
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    s = _LaunchSpy(triton_ops.kernels.ragged_decode_kernel)
+    monkeypatch.setattr(triton_ops.kernels, "ragged_decode_kernel", s)
+    return s
+
+
+def _padded(shape, fill, dtype=torch.float32):
+    """A tensor of ``shape`` that is the front of a buffer one leading row longer, and that buffer: whatever a
+    kernel writes past the tensor's last element lands in the spare row (in bounds) and shows there."""
+    buf = torch.full((shape[0] + 1, *shape[1:]), fill, dtype=dtype)
+    return buf[: shape[0]], buf
+
+
+def _two_part_case(bs: int, d: int, seed: int, dtype=torch.float32, n_req: int = 5):
+    """One layer of a step mixing compacted and ordinary requests (``PageTables.step`` as the backend builds
+    it): the two-part lists' tensors and the per-token tables they expand to (the reference's input)."""
+    import random
+
+    from vllm_contour.page_tables import PageTables
+
+    from benchmarks.page_table_cases import batch_tensors, key_of, make_request
+
+    rnd = random.Random(seed)
+    nb = 60
+    free = list(range(1, nb))
+    rnd.shuffle(free)
+    reqs = [make_request(rnd, f"r{i}", free, 1, H, bs, compacted=i % 3 != 1) for i in range(n_req)]
+    pt = PageTables(1, H, bs, nb)
+    for r in reqs:
+        if r.layout is not None:
+            pt.put(r.req_id, r.layout)
+    qsl, seq, bt = batch_tensors(reqs, width=12)
+    rows, _ = pt.step(pt.set_keys({r.req_id: key_of(r, bs) for r in reqs}, []), qsl, seq, bt, len(reqs),
+                      int(qsl[-1]), int(seq.max()))
+    tok, idx, table, lens = rows.tables_for_cpu()
+    _, k, v = make_cache("cpu_rows", nb, H, bs, d, dtype, seed=seed)
+    n = int(qsl[-1])
+    q = torch.randn(n, H * G, d, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    return dict(rows=rows, bt=bt, max_tokens=int(seq.max()), tok=tok, idx=idx, table=table[0], lens=lens[0], k=k,
+                v=v, q=q, n=n)
+
+
+def _check_two_part(c, segments, moments=None, block_n=None, native_dot=None, out_tol=None, lse_tol=1e-5):
+    rows, dtype = c["rows"], c["q"].dtype
+    out, buf = _padded((c["n"], H * G, c["q"].shape[2]), 5.0, dtype)
+    _, lse = triton_ops.compacted_attention(c["q"], c["k"], c["v"], rows.token_req, rows.token_row, rows.token_pos,
+                                            rows.run_pages[:, 0], rows.run_count[:, 0], rows.region, c["bt"], 0.2,
+                                            max_tokens=c["max_tokens"], moments=moments, out=out, block_n=block_n,
+                                            segments=segments, native_dot=native_dot)
+    tm = None if moments is None else {x: y[c["idx"]] for x, y in moments.items()}
+    tok = c["tok"]
+    want, want_l = ragged_decode_attention_ref(c["q"][tok], c["k"], c["v"], c["table"], c["lens"], 0.2, moments=tm)
+    torch.testing.assert_close(out[tok].float(), want.float(), **(out_tol or tol(dtype)))
+    torch.testing.assert_close(lse[tok], want_l, rtol=lse_tol, atol=lse_tol)
+    others = torch.ones(c["n"], dtype=torch.bool)
+    others[tok] = False
+    assert bool(others.any()) and bool((out[others] == 5.0).all()) and bool((buf[-1] == 5.0).all())
+
+
+@interp
+@pytest.mark.parametrize("bs,block_n,one_page", [(8, None, False), (48, None, False), (16, 32, False),
+                                                 (64, None, True)])
+def test_compacted_attention_with_chunks_spanning_pages(spy, bs, block_n, one_page):
+    """Block sizes other than 16 / 32: with 8 (a chunk of 16 tokens is two pages, the kept run's last page and
+    the tail's first one in the same chunk where a run has an odd page count) and 48 (three chunks per page)
+    every token of a chunk looks up its page (``ONE_PAGE`` false); 16 with chunks of 32 likewise; 64 takes
+    chunks of one page of 64. Split and unsplit lists, moments in one case, against the reference."""
+    c = _two_part_case(bs, D, seed=40 + bs)
+    runs = c["rows"].run_count[:, 0]
+    if bs * 2 == (block_n or 16):  # a run ending mid-chunk: the chunk holds run and tail pages
+        assert bool((runs % 2 == 1).any()), runs
+    for segments in (1, 3):
+        _check_two_part(c, segments, block_n=block_n)
+    _check_two_part(c, 2, moments=random_moments(41, len(c["rows"].req_ids), H, D), block_n=block_n)
+    assert {(x["ONE_PAGE"], x["TWO_PART"]) for x in spy.seen} == {(one_page, True)}
+    assert {x["SPLIT"] for x in spy.seen} == {False, True}
+
+
+@interp
+@pytest.mark.parametrize("d", [80, 96, 112])
+def test_head_dims_with_partial_masks(spy, d):
+    """Head dims that are not a power of two (``BLOCK_D`` 128, masks ``< D`` partial) in every kernel that
+    takes one: compaction (gather / scatter; K and V share each row of vLLM's CPU layout, so a column past
+    D is the value row), moment accumulation (row tiles of 64: the second partial), decode and its reduce
+    (per-row tables, moments with key-dim tiles past D), and the two-part lists. Caches, moments and outputs
+    are the front of longer buffers: nothing may be written past them."""
+    from vllm_contour.ops.cpu_layout import KEY_ROWS, cpu_kv_views
+
+    big = torch.randn(NB + 1, H, BS, 2 * d, generator=torch.Generator().manual_seed(50 + d))
+    k, v = cpu_kv_views(big[:NB], KEY_ROWS)
+    for idx in (compaction_moves(51, NB, H, BS), permutation_moves(52, NB, H, BS, m=40)):
+        want, got = big.clone(), big.clone()
+        compact_ref(*cpu_kv_views(want[:NB], KEY_ROWS), *idx)
+        triton_ops.compact(*cpu_kv_views(got[:NB], KEY_ROWS), *idx)
+        assert torch.equal(got, want)
+    pg, of, hd = token_list(53, NB, H, BS, 50, hm=H)
+    want_m = zero_moments(H, d, 1)
+    got_m, bufs = {}, {}
+    for key, val in want_m.items():
+        got_m[key], bufs[key] = _padded(val.shape, -3.0)
+        got_m[key].copy_(val)
+    accumulate_moments_ref(k, v, pg, of, hd, want_m)
+    triton_ops.accumulate_moments(k, v, pg, of, hd, got_m)  # the launcher's row tiles (64)
+    for key in want_m:
+        torch.testing.assert_close(got_m[key], want_m[key], rtol=1e-5, atol=1e-4, msg=key)
+        assert bool((bufs[key][H] == -3.0).all()), key
+    pt, sl = decode_case(54, NB, H, BS, t_rows=2, long_tail=True)
+    q = torch.randn(2, H * G, d, generator=torch.Generator().manual_seed(55))
+    mom = random_moments(56, 2, H, d)
+    want_o, want_l = ragged_decode_attention_ref(q, k, v, pt, sl, 0.2, moments=mom)
+    for segments in (1, 3):
+        out, buf = _padded((2, H * G, d), 7.0)
+        got_o, got_l = triton_ops.ragged_decode_attention(q, k, v, pt, sl, 0.2, moments=mom, segments=segments,
+                                                          out=out)
+        torch.testing.assert_close(out, want_o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_l, want_l, rtol=1e-5, atol=1e-5)
+        assert bool((buf[2] == 7.0).all())
+    _check_two_part(_two_part_case(BS, d, seed=57 + d, n_req=4), 2)
+    assert {x["BLOCK_D"] for x in spy.seen} == {128} and {x["SPLIT"] for x in spy.seen} == {False, True}
+
+
+@interp
+@pytest.mark.parametrize("d", [32, 80])
+def test_native_16_bit_dots_with_fp16_caches(spy, d):
+    """``NATIVE_DOT`` (what a GPU runs for bf16 / fp16 caches: query and probabilities in the cache dtype, fp32
+    accumulation) under the interpreter with fp16 caches (the interpreter's bf16 arithmetic is wrong, so bf16
+    is compiled only: ``test_aot_native_dot_and_spanning_chunks_for_sm90``): per-row tables split and not,
+    moments, and the two-part lists with chunks spanning pages, against the fp32 reference."""
+    _, k, v = make_cache("interleaved", NB, H, BS, d, torch.float16, seed=60 + d)
+    pt, sl = decode_case(61, NB, H, BS, t_rows=2, long_tail=True)
+    q = torch.randn(2, H * G, d, generator=torch.Generator().manual_seed(62)).to(torch.float16)
+    out_tol = dict(rtol=3e-3, atol=3e-3)  # q and p rounded to fp16 before their dots
+    for mom in (None, random_moments(63, 2, H, d)):
+        want_o, want_l = ragged_decode_attention_ref(q, k, v, pt, sl, 0.2, moments=mom)
+        for segments in (1, 3):
+            got_o, got_l = triton_ops.ragged_decode_attention(q, k, v, pt, sl, 0.2, moments=mom, segments=segments,
+                                                              native_dot=True)
+            assert got_o.dtype == torch.float16
+            torch.testing.assert_close(got_o.float(), want_o.float(), **out_tol)
+            torch.testing.assert_close(got_l, want_l, rtol=2e-3, atol=2e-3)
+    _check_two_part(_two_part_case(8, d, seed=64 + d, dtype=torch.float16), 2, native_dot=True, out_tol=out_tol,
+                    lse_tol=2e-3)
+    assert {x["NATIVE_DOT"] for x in spy.seen} == {True}
+    assert {(x["ONE_PAGE"], x["TWO_PART"]) for x in spy.seen} == {(True, False), (False, True)}
+
+
 @pytest.mark.skipif(INTERPRET, reason="runs in the parent session")
 def test_interpreter_cases():
     """Every interpreter case above, in a child pytest that starts with TRITON_INTERPRET=1."""
@@ -282,7 +451,47 @@ def test_aot_compile_for_sm90():
     assert r.stdout.strip().splitlines()[-1] == "30"
 
 
+@pytest.mark.skipif(INTERPRET, reason="runs in the parent session")
+def test_aot_native_dot_and_spanning_chunks_for_sm90():
+    """What the interpreter cannot run, compiled for GPUTarget("cuda", 90, 32) at head_dim 80 (partial masks):
+    the decode kernel over two-part lists with chunks spanning pages (``ONE_PAGE`` false), split, with
+    moments, and its reduce, compaction's gather and moment accumulation, for bf16 caches. With
+    ``NATIVE_DOT`` every ``tl.dot`` is a tensor-core MMA on the cache dtype (bf16, or fp16 for fp16 caches)
+    with fp32 accumulation, and nothing in tf32; without it (the fp32-operand path) every MMA is tf32."""
+    import json
+
+    code = ("import json, re\n"
+            "from triton.backends.compiler import GPUTarget\n"
+            "from triton.compiler import ASTSource, compile as tc\n"
+            "from triton_ops.aot import kernel_specs\n"
+            "def mmas(dt, name, **ce):\n"
+            "    (fn, sig, c), = [(f, s, c) for n, f, s, c in kernel_specs(dt, head_dim=80, group=3) if n == name]\n"
+            "    k = tc(ASTSource(fn, sig, constexprs=dict(c, **ce)), target=GPUTarget('cuda', 90, 32))\n"
+            "    assert k.asm['ptx'] and k.asm['cubin']\n"
+            "    return sorted(set(re.findall(r'mma[.\\w]*', k.asm['ptx'])))\n"
+            "dec = 'ragged_decode_kernel[two_part=True,moments=True,split=True]'\n"
+            "out = {'bf16': mmas('bf16', dec, ONE_PAGE=False, NATIVE_DOT=True),\n"
+            "       'fp16': mmas('fp16', dec, ONE_PAGE=False, NATIVE_DOT=True),\n"
+            "       'bf16_fp32_operands': mmas('bf16', dec, ONE_PAGE=False, NATIVE_DOT=False),\n"
+            "       'reduce': mmas('bf16', 'ragged_reduce_kernel[two_part=True,moments=True]'),\n"
+            "       'gather': mmas('bf16', 'compact_gather_kernel'),\n"
+            "       'moments': mmas('bf16', 'accumulate_moments_kernel')}\n"
+            "print(json.dumps(out))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["bf16"] == ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"], got
+    assert got["fp16"] == ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"], got
+    assert got["bf16_fp32_operands"] == ["mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"], got
+    assert got["gather"] == got["reduce"] == got["moments"] == [], got  # compiled (a cubin); no 16-bit dot there
+
+
 if not INTERPRET:  # the parent session only launches the child: keep its report free of placeholder skips
     del test_compact, test_accumulate_moments, test_ragged_decode, test_ragged_decode_empty_list_and_int64_tables, \
         test_ragged_prefill_rows, test_ragged_decode_writes_into_strided_output, test_page_rows_round_trip, \
-        test_moment_storage_and_block_copies, test_compacted_attention_reads_the_two_part_lists
+        test_moment_storage_and_block_copies, test_compacted_attention_reads_the_two_part_lists, \
+        test_compacted_attention_with_chunks_spanning_pages, test_head_dims_with_partial_masks, \
+        test_native_16_bit_dots_with_fp16_caches, spy
