@@ -4,7 +4,8 @@ The fixture was written by this file (``python tests/unit/test_policy_equivalenc
 policy code before a refactor (issue 47: the components' capabilities declared on their interfaces), so a
 refactor of ``vllm_contour/policies`` that is meant to change nothing is checked against what the code did.
 Each case plans several requests together through ``Policy.plan_requests`` (first rounds, decode-time ragged
-rounds, a one-layer ragged round through ``plan_layer_ragged``), and each plan records, per request, layer
+rounds, a one-layer ragged round through ``plan_layer_ragged``; first and decode-time rounds again with no
+sinks and no recent window), and each plan records, per request, layer
 and head, the kept positions, the pages and the scores an accumulating scorer carries (their float32 bits).
 Rewrite the fixture only from a commit whose plans are known to be right.
 """
@@ -127,6 +128,7 @@ def _cases(pol: Policy, moments: bool) -> dict[str, list[list]]:
     no_sinks = Policy(pol.name, pol.scorer, pol.allocator, pol.selector, sink_tokens=0, recent_window=0,
                       alloc_scorer=pol.alloc_scorer)
     out["first_no_sinks"] = no_sinks.plan_requests(first[:2], first_totals[:2], H)
+    out["decode_no_sinks"] = no_sinks.plan_requests(decode, decode_totals, H)  # the last candidates not forced
     return {case: [[_selection(s, BS) for s in req] for req in reqs] for case, reqs in out.items()}
 
 
@@ -178,7 +180,7 @@ def test_plan_equals_recording(plans, key):
 def test_the_recording_covers_every_preset_and_kind_of_round():
     keys = _recorded()
     for name in policy_names():
-        for case in ("first", "decode", "ragged_layer", "first_no_sinks"):
+        for case in ("first", "decode", "ragged_layer", "first_no_sinks", "decode_no_sinks"):
             assert f"{name}/{case}" in keys
             assert (f"{name}/{case}/moments" in keys) == PRESETS[name].moment_correction
     kept = [k for plan in keys.values() for req in plan for sel in req for k in sel["kept"]]
