@@ -18,6 +18,11 @@ dense: after a step with ``n < N + T`` tokens computed it holds ``ceil(n / bs)``
 that is not a whole number of blocks). The bound is the larger of the two; a prefill step holds the dense
 prompt until the round at its end frees it, and a step with speculative drafts may hold the drafts' block on
 top. ``T = 0`` evicts once, when the prompt ends; the tail then grows.
+
+A query-aware policy scores with the queries of its round's observation window ``[R - W, R)``, captured
+while those tokens are computed: they are kept in blocks of vLLM's pool (``query_blocks_for``), taken when
+the window's first token is computed and given back when the round ran, so for those steps the request
+holds that many blocks more.
 """
 
 from __future__ import annotations
@@ -59,6 +64,13 @@ def moment_pages_for(num_kv_heads: int, head_dim: int, block_size: int, elem_siz
     return mom_math.pages_needed(num_kv_heads, head_dim, 2 * block_size * head_dim * elem_size)
 
 
+def query_blocks_for(window: int, queries_per_kv_head: int, block_size: int, query_elem_size: int,
+                     elem_size: int) -> int:
+    """Blocks one request's window queries take in vLLM's pool: per layer ``W x Hq x D`` query elements, and
+    a block gives each layer ``H x 2 x bs x D`` cache elements (``Hq = G x H``: the ``H`` and ``D`` cancel)."""
+    return math.ceil(window * queries_per_kv_head * query_elem_size / (2 * block_size * elem_size))
+
+
 def layer_token_pages(budget: int, num_kv_heads: int, block_size: int, moment_pages: int = 0) -> int:
     """Head-pages one layer may give to tokens: ``H * (budget // bs)`` minus its moment pages."""
     return num_kv_heads * (budget // block_size) - moment_pages
@@ -87,12 +99,13 @@ class PageBudget:
         """Head-pages one layer may give to tokens when it evicts (``B - M``)."""
         return layer_token_pages(self.budget, self.num_kv_heads, self.block_size, self.moment_pages)
 
-    def held_blocks_bound(self, interval: int) -> int:
+    def held_blocks_bound(self, interval: int, query_blocks: int = 0) -> int:
         """Most blocks the request holds after any engine step once its prompt is prefilled (``T > 0``):
         ``max(N // bs + T // bs, ceil((N + T - 1) / bs))`` (see the module docstring; the two are equal when
-        the budget is a whole number of blocks)."""
+        the budget is a whole number of blocks), plus the blocks a query-aware policy's window queries take
+        (``query_blocks_for``: held in the steps that compute the window, which end with the fullest tail)."""
         bs = self.block_size
-        return max(self.kept_blocks + interval // bs, -(-(self.budget + interval - 1) // bs))
+        return max(self.kept_blocks + interval // bs, -(-(self.budget + interval - 1) // bs)) + query_blocks
 
     def evicts(self, candidate_pages: int) -> bool:
         """Whether a layer with ``candidate_pages`` head-pages of tokens must evict: only when they do not

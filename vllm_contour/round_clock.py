@@ -10,7 +10,9 @@ tail after a round, the next round is due when the tokens with KV reach ``R``:
   ``C`` that needs no round, the prompt end (once); else ``max(prompt end, N + T)`` (a short prompt is first
   compressed while it decodes), later than a retry point after a first round that planned nothing;
 - once compacted: ``E * bs + T`` (the dense tail reached ``T``); with ``T = 0`` only at the end of a
-  streaming-input session's next chunk (a prompt end too) when it completes a block past ``E``.
+  streaming-input session's next chunk (a prompt end too) when it completes a block past ``E``;
+- with ``T > 0``, not before a point the round was put off to (``defer_to``: the pool had no room for its
+  window's queries when the window began).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class ClockState:
     region_blocks: int = 0  # E, after a round
     retry_at: int = 0  # a first round that planned nothing is tried again from here (T > 0)
     chunk_end: int = 0  # a streaming-input session's latest chunk end, once it took a chunk after compaction
+    defer_to: int = 0  # a decode-time round put off to here (T > 0)
 
 
 def context_boundary(s: ClockState) -> int | None:
@@ -50,14 +53,20 @@ def next_round(s: ClockState) -> int | None:
     """Tokens with KV at which the request's next round is due (``R``); None: no more rounds."""
     if s.compacted:
         if s.interval:
-            return s.region_blocks * s.block_size + s.interval
+            return max(s.region_blocks * s.block_size + s.interval, s.defer_to)
         return s.chunk_end if s.chunk_end // s.block_size > s.region_blocks else None
     c = context_boundary(s)
     if c is not None:
         return c
     if s.interval == 0 or (s.context_len and not s.tried):
         return None if s.tried else s.prefill_end
-    return max(s.prefill_end, s.budget + s.interval, s.retry_at)
+    return max(s.prefill_end, s.budget + s.interval, s.retry_at, s.defer_to)
+
+
+def defer_point(round_at: int, window: int, block_size: int) -> int:
+    """Where a round whose window could not be captured from ``round_at - window`` on is put off to: whole
+    blocks, with its new window starting at or after ``round_at`` (no token of it computed yet)."""
+    return round_at + -(-window // block_size) * block_size
 
 
 def round_due(s: ClockState, done: int, num_tokens: int) -> bool:

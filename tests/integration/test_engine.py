@@ -8,15 +8,16 @@ from .conftest import run_engine
 
 
 def _bound(budget: int, interval: int, moments: bool = False) -> int:
-    """budget.py's bound on the blocks a SmolLM2 request (3 KV heads of 64 dims, fp32, block 32) holds after
-    every engine step once prefilled, for the snapkv engines' defaults and these overrides."""
-    from vllm_contour.budget import CacheShape, request_budget
+    """budget.py's bound on the blocks a SmolLM2 request (3 KV heads of 64 dims, 9 query heads, fp32, block 32)
+    holds after every engine step once prefilled, for the snapkv engines' defaults and these overrides: with
+    its window queries' blocks (SnapKV scores with a 32-query window)."""
+    from vllm_contour.budget import CacheShape, query_blocks_for, request_budget
     from vllm_contour.config import EvictionConfig, resolve_request
 
     params = resolve_request(EvictionConfig(policy="snapkv", budget=128),
                              {"kv_budget": budget, "kv_decode_interval": interval, "kv_moment_correction": moments})
     pb = request_budget(params, CacheShape(block_size=32, num_kv_heads=3, head_dim=64, elem_size=4), per_request=True)
-    return pb.held_blocks_bound(interval)
+    return pb.held_blocks_bound(interval, query_blocks_for(params.window, 3, 32, 4, 4))
 
 
 def _expected_rounds(prompt: int, generated: int, budget: int, interval: int, bs: int = 32) -> int:
@@ -199,7 +200,8 @@ def test_blocks_held_stay_within_budget_plus_interval_at_every_step(evicting):
         assert max(ev["held"][rid]) == bounds[rid], (rid, bounds[rid], ev["held"][rid])
         assert ev["request_rounds"][rid] == _expected_rounds(case[0], case[1], budget, 64, bs), \
             (rid, ev["request_rounds"])
-    assert bounds == {"B0": 6, "B1": 6, "B2": 9}  # 200 // 32 + 64 // 32 = 8 < ceil(263 / 32) = 9
+    # 200 // 32 + 64 // 32 = 8 < ceil(263 / 32) = 9; + 2 blocks of window queries (32 x 9 x 64 fp32 per layer)
+    assert bounds == {"B0": 8, "B1": 8, "B2": 11}
     assert ev["rounds"] == sum(ev["request_rounds"].values())
     for used, held in ev["used"]:  # no prefix caching: no block is shared or cached, so the two must agree
         assert used == sum(held.values()), (used, held)
@@ -548,9 +550,12 @@ def test_hybrid_model_evicts_in_its_full_attention_layers(gemma):
     assert len(dec["tokens"]) == 160
     from vllm_contour.budget import page_budget
 
+    from vllm_contour.budget import query_blocks_for
+
+    q = query_blocks_for(32, 4, bs, 4, 4)  # SnapKV's 32 window queries of Gemma's 4 query heads
     bound = page_budget(128, num_kv_heads=1, block_size=bs, head_dim=256, elem_size=4, sink_tokens=4,
-                        recent_window=32, moments=False).held_blocks_bound(64)  # budget.py's, Gemma's cache
-    assert max(t[full] for t in dec["trace"]) == bound == (128 + 64) // bs, dec["trace"]
+                        recent_window=32, moments=False).held_blocks_bound(64, q)  # budget.py's, Gemma's cache
+    assert max(t[full] for t in dec["trace"]) == bound == (128 + 64) // bs + q, dec["trace"]
     for run in g["runs"].values():
         assert run["free_end"] == run["free_before"]
     from vllm_contour.policies import policy_names

@@ -88,6 +88,17 @@ def _repeat_prompt(model_config):
     return RepeatPrompt.from_tokenizer(cached_tokenizer_from_config(model_config))
 
 
+def _query_blocks(vllm_config, group: EvictionGroup | None):
+    """window -> blocks of vLLM's pool one request's window queries take (``budget.query_blocks_for``)."""
+    from vllm_contour.budget import query_blocks_for
+
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    per_kv = max(1, mc.get_num_attention_heads(pc) // max(1, mc.get_num_kv_heads(pc)))
+    bs = vllm_config.cache_config.block_size
+    elem = group.shape.elem_size if group is not None else mc.dtype.itemsize
+    return lambda window: query_blocks_for(window, per_kv, bs, mc.dtype.itemsize, elem)
+
+
 class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None):
@@ -104,7 +115,8 @@ class ContourKVConnector(KVConnectorBase_V1, SupportsHMA):
                                                 group=0 if group is None else group.index,
                                                 num_groups=1 if group is None else group.num_groups,
                                                 repeat_prompt=lambda: _repeat_prompt(mc),
-                                                max_model_len=mc.max_model_len)
+                                                max_model_len=mc.max_model_len,
+                                                query_blocks=_query_blocks(vllm_config, group))
         else:
             self.worker_side = WorkerSide(vllm_config, self.config,
                                           layer_names=None if group is None else group.layer_names)

@@ -59,13 +59,19 @@ class RoundItem:
 
 @dataclass
 class CaptureItem:
-    """Scheduler -> worker: this step's tokens of the request cover part of the observation window
-    ``[start, end)`` (absolute positions) of its next round; copy those queries in every layer."""
+    """Scheduler -> worker: this step's tokens ``[start, end)`` (absolute positions) of the request fall in the
+    observation window of its next round; every layer writes their queries into ``pages``, row
+    ``position - window_start``."""
 
     req_id: str
     start: int
     end: int
-    window: int  # queries the request's ring keeps
+    window: int
+    window_start: int = 0  # the window is [window_start, round_at)
+    round_at: int = 0
+    # blocks its queries are written into; [] the whole window is in this step (kept for its round); None a
+    # hidden reconstruction request's (folded into its owner's scores)
+    pages: list[int] | None = None
 
 
 @dataclass

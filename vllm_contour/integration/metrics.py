@@ -27,6 +27,8 @@ COUNTERS = {
     "shared_context_hit_tokens": "Context tokens those requests did not prefill (counted in vLLM's cached "
                                  "tokens too)",
     "deferred_rounds": "Rounds put off a step because the pool had no room for their private blocks",
+    "deferred_captures": "Observation windows not captured because the pool had no room for the blocks that hold "
+                         "their queries (a decode-time round is put off by a window)",
     "stale_reports": "Eviction reports ignored (request finished or preempted meanwhile)",
     "policy_seconds": "Worker time spent planning rounds (scoring, allocation, layout)",
     "compact_seconds": "Worker time spent moving kept tokens and storing moments",
@@ -66,10 +68,12 @@ HISTOGRAMS = {
                       [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]),
 }
 GAUGES = {
-    "query_buffer_bytes": "Bytes of captured window queries and KVzip scores (awaiting their round, or kept for "
-                          "later requests with the same context) held by the worker (outside vLLM's pool)",
-    "query_buffer_bound_bytes": "Most bytes the window-query buffers can take (max running requests x one "
-                                "request's buffer), counted at start-up",
+    "query_buffer_bytes": "Bytes of KVzip scores held by the worker outside vLLM's pool (awaiting their round, or "
+                          "kept for later requests with the same context); window queries live in the pool",
+    "query_buffer_bound_bytes": "Most bytes captured queries take outside vLLM's pool, counted at start-up: 0 "
+                                "unless a reconstruction policy's hidden requests keep a step's repeat queries of "
+                                "every layer until after the forward (layers x the step's tokens x query heads x "
+                                "head dim)",
     "shared_context_entries": "Shared compressed contexts in the cache",
     "shared_context_blocks": "KV blocks of vLLM's pool the shared compressed contexts hold (paid once)",
     "shared_context_requests": "Running requests that hold a shared compressed context's pages",

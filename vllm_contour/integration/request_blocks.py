@@ -1,14 +1,15 @@
 """A request's blocks in vLLM's pool, as the scheduler side sees them: the evicting group's table (its
-manager, ``manager.py``, owns every write), what a request holds (a block n requests hold counts 1/n),
-whether a round may rewrite its blocks in place, the private blocks a round over shared blocks packs into,
-and the stop of hashing once a round has run."""
+manager, ``manager.py``, owns every write), what a request holds (a block n requests hold counts 1/n, its
+window queries' blocks included), whether a round may rewrite its blocks in place, the private blocks a
+round over shared blocks packs into, the blocks that hold a round's window queries, and the stop of hashing
+once a round has run."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from vllm_contour.integration.manager import NO_MORE_HASHING
-from vllm_contour.integration.scheduler_records import PrivateBlocks, Tracked
+from vllm_contour.integration.scheduler_records import PrivateBlocks, QueryPages, Tracked
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -55,12 +56,14 @@ class RequestBlocks:
     def sample(self, t: Tracked, blocks) -> None:
         """One step's KV held, for the mean / peak metrics: per head over all layers (a hybrid model's other
         groups' blocks averaged in) and in the evicting layers."""
-        evicting = held = self.held(blocks)
+        q = len(t.queries.blocks) if t.queries is not None else 0
+        evicting = held = self.held(blocks) + q
         if self.num_groups > 1:
             mgrs = self.manager.coordinator.single_type_managers
             held = (held + sum(self.held(m.req_to_blocks.get(t.request.request_id, []))
                                for i, m in enumerate(mgrs) if i != self.group)) / self.num_groups
-        t.held.sample(held * self.block_size, evicting * self.block_size, sum(1 for b in blocks if not b.is_null))
+        t.held.sample(held * self.block_size, evicting * self.block_size,
+                      sum(1 for b in blocks if not b.is_null) + q)
 
     def shared(self, blocks, num_tokens: int) -> bool:
         """Does any full block a round may rewrite carry a prefix-cache hash or another reference?"""
@@ -86,6 +89,24 @@ class RequestBlocks:
 
     def keep_private(self, t: Tracked, seq: int, blocks: list) -> None:
         t.fresh = PrivateBlocks(seq, blocks)
+
+    def query_pages(self, t: Tracked, round_at: int, start: int, n: int) -> QueryPages | None:
+        """The blocks holding the window queries of the request's round at ``round_at``: those it holds, or
+        ``n`` new ones from vLLM's pool (None when it has no room now)."""
+        if t.queries is not None and t.queries.round_at == round_at:
+            return t.queries
+        self.release_queries(t)
+        got = self.take_private(n)
+        if got is None:
+            return None
+        t.queries = QueryPages(round_at, start, got)
+        return t.queries
+
+    def release_queries(self, t: Tracked) -> None:
+        """Its round ran (or the request left or starts over): the window queries' blocks go back."""
+        if t.queries is not None:
+            q, t.queries = t.queries, None
+            self.manager.block_pool.free_blocks(q.blocks)
 
     def stop_hashing(self, req_id: str) -> None:
         """Every group (a hybrid model's sliding-window layers too: their KV after the round was computed

@@ -19,29 +19,30 @@ from vllm_contour.integration.messages import CaptureItem, ReconItem, RoundItem,
 
 class RoundDispatch:
     def __init__(self, blocks: RequestBlocks, contexts: ContextPublisher, events: SchedulerEvents,
-                 recon: Reconstructions):
+                 recon: Reconstructions, query_blocks):
         self.blocks = blocks
         self.contexts = contexts
         self.events = events
         self.recon = recon
+        self.query_blocks = query_blocks  # window (tokens) -> blocks of vLLM's pool its queries take
 
     def step(self, t: Tracked, n_sched: int, rounds: list[RoundItem], captures: list[CaptureItem]) -> None:
         req = t.request
         bs = self.blocks.block_size
         blocks = self.blocks.of(req.request_id)
-        self.blocks.sample(t, blocks)
         start, done = req.num_computed_tokens, req.num_computed_tokens + n_sched
         # with speculative decoding the step also computes draft tokens past the request's tokens, which the
         # sampler may reject: a round and the window it scores only ever cover verified tokens
         done = min(done, req.num_tokens)
         clock = t.clock(bs)
         r = round_clock.next_round(clock)
-        if r is None or t.budget is None:
-            return
         w = t.params.window
-        span = round_clock.capture_span(r, w, start, done) if t.needs_queries else None
-        if span is not None:
-            captures.append(CaptureItem(req.request_id, span[0], span[1], w))
+        span = round_clock.capture_span(r, w, start, done) \
+            if t.needs_queries and r is not None and t.budget is not None else None
+        captured = span is None or self._capture(t, r, w, span, captures)
+        self.blocks.sample(t, blocks)  # with the blocks its window queries take this step
+        if r is None or t.budget is None or not captured:
+            return
         if not round_clock.round_due(clock, done, req.num_tokens) or t.pending is not None:
             return
         if t.reconstructs:  # scored by the context's reconstruction: it runs first (for a compacted
@@ -54,6 +55,28 @@ class RoundDispatch:
                 self.events.event("reconstructions_reused")
             return
         self.dispatch(t, done, rounds)
+
+    def _capture(self, t: Tracked, r: int, w: int, span: tuple[int, int], captures: list[CaptureItem]) -> bool:
+        """The step's part of the window ``[r - w, r)``, written into the blocks that hold the round's window
+        queries (taken from vLLM's pool at the window's first step). A window computed whole in one step (the
+        end of a prefill) needs none: that step's round reads the queries as the forward left them. With no
+        room for the blocks the round is put off by a window (decode-time rounds; other rounds go on and find
+        no queries); False then."""
+        start = max(0, r - w)
+        if span == (start, r):  # the whole window in this step, whose round reads it: no blocks needed
+            captures.append(CaptureItem(t.request.request_id, span[0], span[1], w, window_start=start, round_at=r,
+                                        pages=[]))
+            return True
+        q = self.blocks.query_pages(t, r, start, self.query_blocks(w))
+        if q is None:
+            self.events.stats.add("deferred_captures", 1)
+            if t.interval and round_clock.context_boundary(t.clock(self.blocks.block_size)) is None:
+                t.defer_to = round_clock.defer_point(r, w, self.blocks.block_size)
+                return False
+            return True
+        captures.append(CaptureItem(t.request.request_id, span[0], span[1], w, window_start=start, round_at=r,
+                                    pages=[b.block_id for b in q.blocks]))
+        return True
 
     def _reconstruct(self, t: Tracked, c: int, start_at: int, key: str | None) -> None:
         try:

@@ -49,6 +49,7 @@ class RoundOutcomes:
             self.events.event("stale_reports")
             return
         t.pending = None
+        self.blocks.release_queries(t)  # the round read its window's queries
         if not isinstance(out, Round):
             self._give_back(t)
             self._failed_or_noop(req_id, t, out)

@@ -24,6 +24,16 @@ class PrivateBlocks:
 
 
 @dataclass
+class QueryPages:
+    """Blocks from vLLM's pool that hold a round's window queries, taken when the window's first token is
+    computed, given back when the round ran (or the request left or started over)."""
+
+    round_at: int  # R: the window is [start, R)
+    start: int
+    blocks: list  # vLLM's KVCacheBlock objects
+
+
+@dataclass
 class Publishing:
     """A context round whose result becomes a shared compressed context when it succeeds."""
 
@@ -72,6 +82,7 @@ class Tracked:
     compacted: bool = False
     region_blocks: int = 0  # E
     retry_at: int = 0  # a first round that found nothing to evict is retried from here (T > 0)
+    defer_to: int = 0  # a decode-time round put off to here (no room for its window queries)
     prefill_tried: bool = False
     chunk_end: int = 0  # a streaming-input session's latest chunk end (taken with its blocks kept)
     epoch: int = 0  # bumped whenever the request starts over; the worker drops its old state then
@@ -80,6 +91,7 @@ class Tracked:
     pending: int | None = None  # seq of the round in flight
     round_tokens: int = 0  # tokens with KV of the round in flight
     fresh: PrivateBlocks | None = None
+    queries: QueryPages | None = None
     publishing: Publishing | None = None
     adopted: int | None = None  # the shared entry this request adopted (until it leaves or starts over)
     # what eviction did to it
@@ -95,7 +107,8 @@ class Tracked:
         return ClockState(prefill_end=self.prefill_end, budget=p.budget, interval=self.interval,
                           block_size=block_size, context_len=c, prefill_at_context=p.agnostic_mode == "prefill",
                           context_fits=fits, tried=self.prefill_tried, compacted=self.compacted,
-                          region_blocks=self.region_blocks, retry_at=self.retry_at, chunk_end=self.chunk_end)
+                          region_blocks=self.region_blocks, retry_at=self.retry_at, chunk_end=self.chunk_end,
+                          defer_to=self.defer_to)
 
     def summary(self) -> dict:
         """The per-request eviction report the client gets (vLLM's ``kv_transfer_params`` of the response,

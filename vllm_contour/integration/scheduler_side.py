@@ -58,7 +58,8 @@ logger = init_logger("vllm.contour")
 
 class SchedulerSide:
     def __init__(self, config: EvictionConfig, block_size: int, shape: CacheShape | None, model_id: str = "",
-                 group: int = 0, num_groups: int = 1, repeat_prompt=None, max_model_len: int | None = None):
+                 group: int = 0, num_groups: int = 1, repeat_prompt=None, max_model_len: int | None = None,
+                 query_blocks=None):
         self.config = config
         self.block_size = block_size
         self.shape = shape
@@ -73,7 +74,9 @@ class SchedulerSide:
         self.outcomes = RoundOutcomes(self.tracked, self.blocks, self.contexts, self.events)
         # repeat_prompt: () -> RepeatPrompt, from the model's tokenizer when a context is first reconstructed
         self.recon = Reconstructions(block_size, repeat_prompt, max_model_len)
-        self.dispatch = RoundDispatch(self.blocks, self.contexts, self.events, self.recon)
+        # query_blocks: window (tokens) -> blocks its queries take in vLLM's pool (budget.query_blocks_for)
+        self.dispatch = RoundDispatch(self.blocks, self.contexts, self.events, self.recon,
+                                      query_blocks or (lambda window: 1))
 
     def bind(self, kv_cache_manager: "KVCacheManager") -> None:
         self.blocks.bind(kv_cache_manager)
@@ -167,6 +170,7 @@ class SchedulerSide:
         t.request = request
         t.prefill_end = request.num_tokens
         t.compacted, t.region_blocks, t.retry_at, t.pending, t.chunk_end = False, 0, 0, None, 0
+        t.defer_to = 0
         t.prefill_tried = False
 
     def _resolve(self, request: "Request") -> RequestEviction | None:
@@ -221,6 +225,7 @@ class SchedulerSide:
         reconstruction of its context still running is aborted."""
         self.recon.owner_gone(t.request.request_id)
         self.blocks.release_private(t)
+        self.blocks.release_queries(t)
         self.contexts.release(t)
         self.contexts.leave(t)
 
@@ -264,6 +269,8 @@ class SchedulerSide:
         row_keys = self._row_keys(computed)
         for req_id in computed:
             t = self.tracked.get(req_id)
+            if t is not None and t.params is None and t.queries is not None:  # it stopped evicting
+                self.blocks.release_queries(t)
             if t is None or (t.params is None and not t.compacted):
                 continue
             try:

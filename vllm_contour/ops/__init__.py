@@ -9,9 +9,10 @@
 * ``torch`` — the reference (always).
 
 Moment storage (``store_moments`` / ``load_moments``: MomentKV statistics kept in the request's own
-head-pages, so they are bytes of vLLM's pool), ``clear_pages`` and ``copy_blocks`` go through the same
-dispatch; they are written through the logical key/value views, so they work on every layout the views
-express.
+head-pages, so they are bytes of vLLM's pool), raw page elements (``read_page_elems`` /
+``write_page_elems``: window queries kept in blocks of vLLM's pool until their round), ``clear_pages`` and
+``copy_blocks`` go through the same dispatch; they are written through the logical key/value views, so they
+work on every layout the views express.
 
 Choose explicitly with ``impl=...`` or, for debugging, ``VLLM_CONTOUR_OPS_IMPL=torch``.
 """
@@ -25,7 +26,8 @@ import torch
 
 from .paged import copy_blocks_ref, gather_pages_ref
 from .reference import (accumulate_moments_ref, compact_ref, dense_attention_ref, load_moments_ref,
-                        ragged_decode_attention_ref, store_moments_ref)
+                        ragged_decode_attention_ref, read_page_elems_ref, store_moments_ref,
+                        write_page_elems_ref)
 
 # op -> list of (name, fn, supports(device_type, **kw) -> bool), in priority order (best first)
 _IMPLS: dict[str, list[tuple[str, Callable, Callable[..., bool]]]] = {
@@ -34,6 +36,8 @@ _IMPLS: dict[str, list[tuple[str, Callable, Callable[..., bool]]]] = {
     "ragged_decode_attention": [],
     "store_moments": [],
     "load_moments": [],
+    "read_page_elems": [],
+    "write_page_elems": [],
     "copy_blocks": [],
     "gather_pages": [],
     "compacted_attention": [],
@@ -56,6 +60,8 @@ register_impl("accumulate_moments", "torch", accumulate_moments_ref, lambda dev,
 register_impl("ragged_decode_attention", "torch", ragged_decode_attention_ref, lambda dev, **kw: True)
 register_impl("store_moments", "torch", store_moments_ref, lambda dev, **kw: True)
 register_impl("load_moments", "torch", load_moments_ref, lambda dev, **kw: True)
+register_impl("read_page_elems", "torch", read_page_elems_ref, lambda dev, **kw: True)
+register_impl("write_page_elems", "torch", write_page_elems_ref, lambda dev, **kw: True)
 register_impl("copy_blocks", "torch", copy_blocks_ref, lambda dev, **kw: True)
 register_impl("gather_pages", "torch", gather_pages_ref, lambda dev, **kw: True)
 
@@ -130,6 +136,18 @@ def load_moments(key_cache, value_cache, page_ids, num_heads: int, head_dim: int
     """Read moments written by ``store_moments``: ``page_ids [..., M]`` -> dict with leading dims ``[..., H]``."""
     fn = _pick("load_moments", impl, key_cache.device.type, key_cache=key_cache)
     return fn(key_cache, value_cache, page_ids, num_heads, head_dim)
+
+
+def read_page_elems(key_cache, value_cache, page_ids, impl: str | None = None) -> torch.Tensor:
+    """Raw elements of head-pages ``page_ids [..., M]`` -> ``[..., M * 2*bs*D]`` cache-width integers."""
+    fn = _pick("read_page_elems", impl, key_cache.device.type, key_cache=key_cache)
+    return fn(key_cache, value_cache, page_ids)
+
+
+def write_page_elems(key_cache, value_cache, page_ids, elems, values, impl: str | None = None) -> None:
+    """Write raw ``values [n]`` at element ``elems [n]`` of head-page ``page_ids [n]``, in place."""
+    fn = _pick("write_page_elems", impl, key_cache.device.type, key_cache=key_cache)
+    fn(key_cache, value_cache, page_ids, elems, values)
 
 
 def copy_blocks(caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]],
@@ -241,5 +259,6 @@ from . import cpu_ext as _cpu_ext  # noqa: E402,F401  (registers "cpp" when vllm
 # the engine do not meet "vllm_cpu"'s stride condition. VLLM_CONTOUR_OPS_IMPL forces one implementation.
 
 __all__ = ["compact", "accumulate_moments", "ragged_decode_attention", "store_moments", "load_moments",
+           "read_page_elems", "write_page_elems",
            "clear_pages", "implementations", "register_impl", "available", "copy_blocks", "gather_pages",
            "compact_ref", "accumulate_moments_ref", "ragged_decode_attention_ref", "dense_attention_ref"]

@@ -127,6 +127,31 @@ def _page_elems(key_cache: torch.Tensor, value_cache: torch.Tensor, page_ids: to
     return torch.cat([k.flatten(-2), v.flatten(-2)], dim=-1)
 
 
+def read_page_elems_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+    """The raw elements (cache-width integers) of head-pages ``page_ids [..., M]`` as one sequence per leading
+    index ``[..., M * 2*bs*D]``: each page's keys in logical ``[bs, D]`` order, then its values."""
+    raw = _page_elems(key_cache, value_cache, page_ids.to(torch.int64))
+    return raw.reshape(*raw.shape[:-2], -1)
+
+
+def write_page_elems_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, page_ids: torch.Tensor,
+                         elems: torch.Tensor, values: torch.Tensor) -> None:
+    """Write raw elements ``values [n]`` (cache-width integers) at element ``elems [n]`` of head-page
+    ``page_ids [n]`` (each its own page; a page's elements in ``read_page_elems`` order), leaving the rest of
+    those pages as they were. Through the logical views: any layout they express."""
+    if page_ids.numel() == 0:
+        return
+    _, h, bs, d = dims(key_cache)
+    it = _INT_OF[key_cache.element_size()]
+    uniq, inv = torch.unique(page_ids.to(torch.int64), return_inverse=True)
+    buf = _page_elems(key_cache, value_cache, uniq)  # [U, 2*bs*D]
+    buf[inv, elems.to(torch.int64)] = values.to(buf.dtype)
+    buf = buf.view(-1, 2, bs, d)
+    blk, lane = _split(uniq, h)
+    set_pages(key_cache.view(it), blk, lane, buf[:, 0])
+    set_pages(value_cache.view(it), blk, lane, buf[:, 1])
+
+
 def moment_page_rows(packed: torch.Tensor, num_pages: int, block_size: int, head_dim: int,
                      elem_size: int) -> torch.Tensor:
     """One layer's packed fp32 moments as the raw page contents ``[M, 2, bs, D]`` (cache-width integers,

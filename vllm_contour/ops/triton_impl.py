@@ -35,6 +35,22 @@ def load_moments(key_cache, value_cache, page_ids, num_heads: int, head_dim: int
     return moments_of_page_rows(raw, num_heads, head_dim, key_cache.element_size())
 
 
+def read_page_elems(key_cache, value_cache, page_ids) -> torch.Tensor:
+    raw = triton_ops.page_rows(key_cache, value_cache, page_ids.reshape(-1).to(torch.int64))  # [N, 2, bs, D]
+    return raw.reshape(*page_ids.shape[:-1], -1)
+
+
+def write_page_elems(key_cache, value_cache, page_ids, elems, values) -> None:
+    """Read the touched pages, set the elements, write the pages back (the same page-row kernels)."""
+    if page_ids.numel() == 0:
+        return
+    uniq, inv = torch.unique(page_ids.to(torch.int64), return_inverse=True)
+    rows = triton_ops.page_rows(key_cache, value_cache, uniq)  # [U, 2, bs, D] cache-width integers
+    flat = rows.reshape(uniq.numel(), -1)
+    flat[inv, elems.to(torch.int64)] = values.to(flat.dtype)
+    triton_ops.set_page_rows(key_cache, value_cache, uniq, flat.view_as(rows))
+
+
 def copy_blocks(caches, pairs) -> None:
     """Every lane and token of block ``src`` -> block ``dst``, in every layer: one compaction per layer."""
     k0 = caches[0][0]
@@ -70,3 +86,5 @@ register_impl("ragged_decode_attention", "triton", triton_ops.ragged_decode_atte
 register_impl("store_moments", "triton", store_moments, _cuda)
 register_impl("load_moments", "triton", load_moments, _cuda)
 register_impl("copy_blocks", "triton", copy_blocks, _cuda)
+register_impl("read_page_elems", "triton", read_page_elems, _cuda)
+register_impl("write_page_elems", "triton", write_page_elems, _cuda)

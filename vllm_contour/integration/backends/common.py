@@ -118,7 +118,7 @@ class ContourImpl:
         q3 = query.view(query.shape[0], self.num_heads, self.head_size)
         if cap is not None:
             try:
-                step.stage(layer_idx, q3)
+                step.stage(layer_idx, q3, *self._layer_views(kv_cache))
             except Exception as e:
                 logger.warning("kv_eviction: could not capture window queries (%s)", e)
         if rows is not None:

@@ -1,6 +1,6 @@
 """What a worker keeps per request, for as long as the request runs: its compacted layout (mirrored into
-the kernel-ready ``PageTables``), its captured window queries, and the layouts of shared compressed contexts
-that requests adopt. Owned by the worker side (``side.py``); a request that leaves (finished, preempted,
+the kernel-ready ``PageTables``), where its round's window queries are (in blocks of vLLM's pool), and the
+layouts of shared compressed contexts that requests adopt. Owned by the worker side (``side.py``); a request that leaves (finished, preempted,
 recomputed) or starts over (a new epoch) loses its state at the start of the next step.
 """
 
@@ -14,44 +14,24 @@ from vllm_contour.layout import RequestLayout
 from vllm_contour.page_tables import PageTables
 
 
-class QueryRing:
-    """The last ``window`` captured queries of one request, every layer: ``[L, Hq, W, D]`` plus their
-    positions (``-1`` = empty). Bounded: a request never holds more than ``window`` queries per layer."""
+class QueryWindow:
+    """A round's observation window ``[start, round_at)``: its queries are written, as the tokens are
+    computed, into blocks of vLLM's pool the scheduler took for them (``pages``: block ids; every layer's
+    rows in its own head-pages of those blocks, ``ops.write_page_elems``), and read back by the round. A
+    window computed whole in one step has no pages: the step's queries are kept (``held``, per layer) for
+    the round that runs after it. ``captured`` says which positions were written."""
 
-    def __init__(self, window: int):
-        self.window = window
-        self.queries: torch.Tensor | None = None  # on the queries' device, made at the first write
-        self.positions: torch.Tensor | None = None
+    def __init__(self, start: int, round_at: int, pages: list[int]):
+        self.start, self.round_at, self.pages = start, round_at, list(pages)
+        self.captured = [False] * (round_at - start)
+        self.held: dict[int, torch.Tensor] = {}  # layer -> [round_at - start, Hq, D] (no pages)
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.queries is None else self.queries.numel() * self.queries.element_size()
+    def mark(self, pos0: int, n: int) -> None:
+        for p in range(max(pos0, self.start), min(pos0 + n, self.round_at)):
+            self.captured[p - self.start] = True
 
-    def write(self, positions: torch.Tensor, q: torch.Tensor) -> None:
-        """``positions [n]``, ``q [L, n, Hq, D]``."""
-        if positions.numel() == 0:
-            return
-        if positions.numel() > self.window:
-            positions, q = positions[-self.window:], q[:, -self.window:]
-        if self.queries is None:
-            num_layers, _, hq, d = q.shape
-            self.queries = torch.zeros((num_layers, hq, self.window, d), dtype=q.dtype, device=q.device)
-            self.positions = torch.full((self.window,), -1, dtype=torch.int64, device=q.device)
-        positions = positions.to(q.device)
-        slots = positions % self.window
-        self.queries[:, :, slots] = q.permute(0, 2, 1, 3)
-        self.positions[slots] = positions
-
-    def layer_queries(self) -> tuple[dict[int, torch.Tensor], torch.Tensor] | tuple[None, None]:
-        """``({layer: [Hq, w, D]}, positions [w])`` in position order, or ``(None, None)`` when empty."""
-        if self.queries is None:
-            return None, None
-        have = (self.positions >= 0).nonzero().squeeze(1)
-        if have.numel() == 0:
-            return None, None
-        order = have[torch.argsort(self.positions[have])]
-        q = self.queries[:, :, order]
-        return {layer: q[layer] for layer in range(q.shape[0])}, self.positions[order].clone()
+    def positions(self) -> list[int]:
+        return [self.start + i for i, c in enumerate(self.captured) if c]
 
 
 @dataclass
@@ -59,7 +39,7 @@ class RequestState:
     req_id: str
     epoch: int = 0
     layout: RequestLayout | None = None
-    ring: QueryRing | None = None
+    window: QueryWindow | None = None
 
 
 class WorkerRequests:
@@ -108,6 +88,3 @@ class WorkerRequests:
         """Whether a shared compressed context or a request on this worker still holds ``layout``."""
         return any(x is layout for x in self.shared.values()) or \
             any(rs.layout is layout for rs in self.requests.values())
-
-    def ring_bytes(self) -> int:
-        return sum(rs.ring.nbytes for rs in self.requests.values() if rs.ring is not None)

@@ -45,6 +45,7 @@ class WorkerRounds:
     def __init__(self, requests: WorkerRequests, scores: ContextScores):
         self.requests = requests
         self.scores = scores
+        self.query_shape: tuple[int, int, torch.dtype] | None = None  # (query heads, head dim, dtype)
         self._policies: dict[tuple, object] = {}
 
     def run(self, items: list[RoundItem], views: Views, scale: float, layers: tuple[int, int] | None,
@@ -104,7 +105,7 @@ class WorkerRounds:
                 alone += group
                 continue
             try:
-                plans = plan_rounds(views, [self._request(item) for item in group], group[0].params,
+                plans = plan_rounds(views, [self._request(item, views) for item in group], group[0].params,
                                     group[0].budget, scale, self._policy(group[0].params), layers)
             except Exception:
                 alone += group
@@ -118,17 +119,38 @@ class WorkerRounds:
         return planned + [p for p in (self.plan_one(item, views, scale, layers, report) for item in alone)
                           if p is not None]
 
-    def _request(self, item: RoundItem) -> RoundRequest:
+    def _request(self, item: RoundItem, views: Views) -> RoundRequest:
         rs = self.requests.state_for(item.req_id)
-        queries, qpos = rs.ring.layer_queries() if rs.ring is not None else (None, None)
+        queries, qpos = self._window_queries(rs.window, views) if rs.window is not None else (None, None)
         recon = self.scores.for_round(item) if self._policy(item.params).needs_reconstruction else None
         return RoundRequest(item.block_ids, item.num_tokens, rs.layout, queries, qpos, item.fresh_ids, recon)
+
+    def _window_queries(self, win, views: Views):
+        """``({layer: [Hq, w, D]}, positions [w])`` of the window positions captured, read from its pages."""
+        pos = win.positions()
+        if not pos:
+            return None, None
+        hq, d, qdt = self.query_shape
+        _, h, _, _ = dims(views[0][0])
+        dev = views[0][0].device
+        ids = (torch.tensor(win.pages, dtype=torch.int64).view(-1, 1) * h + torch.arange(h)).reshape(-1).to(dev)
+        n = win.round_at - win.start
+        rows = torch.tensor([p - win.start for p in pos], dtype=torch.int64, device=dev)
+        out = {}
+        for layer, (kc, vc) in enumerate(views):
+            if not win.pages:  # the whole window was in the step that runs the round
+                q = win.held[layer].to(dev)
+            else:
+                raw = ops.read_page_elems(kc, vc, ids)
+                q = raw.view(torch.uint8)[: n * hq * d * qdt.itemsize].view(qdt).view(n, hq, d)
+            out[layer] = q[rows].permute(1, 0, 2).contiguous()
+        return out, torch.tensor(pos, dtype=torch.int64, device=dev)
 
     def plan_one(self, item: RoundItem, views: Views, scale: float, layers, report: dict) -> Planned | None:
         """-> ``(item, plan, seconds)``, or None with the outcome reported (nothing to evict, or failed)."""
         t0 = time.perf_counter()
         try:
-            (plan,) = plan_rounds(views, [self._request(item)], item.params, item.budget, scale,
+            (plan,) = plan_rounds(views, [self._request(item, views)], item.params, item.budget, scale,
                                   self._policy(item.params), layers)
         except Exception as e:
             report[item.req_id] = PlanFailed(item.seq, f"{type(e).__name__}: {e}")

@@ -24,9 +24,10 @@ from vllm_contour.config import EvictionConfig
 from vllm_contour.integration.messages import ContourMetadata, ContourReport, Outcome, Recompute
 from vllm_contour.integration.metrics import ContourStats
 from vllm_contour.integration.worker.reconstruction import ContextScores
-from vllm_contour.integration.worker.requests import QueryRing, WorkerRequests
+from vllm_contour.integration.worker.requests import QueryWindow, WorkerRequests
 from vllm_contour.integration.worker.rounds import WorkerRounds, clear_unread
-from vllm_contour.integration.worker.step import ContourStep
+from vllm_contour.integration.worker.step import ContourStep, WindowPlan
+from vllm_contour.ops.paged import dims
 from vllm_contour.page_tables import RowError
 
 if TYPE_CHECKING:
@@ -68,7 +69,6 @@ class WorkerSide:
         caches' device."""
         from vllm.model_executor.models.utils import extract_layer_index
 
-        from vllm_contour.ops.paged import dims
         from vllm_contour.page_tables import PageTables
 
         named = sorted(((n, kv) for n, kv in kv_caches.items() if self.layer_names is None or n in self.layer_names),
@@ -84,6 +84,7 @@ class WorkerSide:
         k0 = self._views[0][0]
         _, heads, bs, hd = dims(k0)
         self._shape = CacheShape.of(block_size=bs, num_kv_heads=heads, head_dim=hd, dtype=k0.dtype)
+        self._dims = dims(k0)
         self._layer_scale()  # layers with different attention scales cannot share one round: stop here
         # a pipeline stage's layers are a slice of the model's: depth-dependent policies see the whole model
         # (a hybrid model's evicting layers are a subset of every stage's: they count among themselves)
@@ -91,7 +92,9 @@ class WorkerSide:
         first = extract_layer_index(named[0][0])
         self._stage_layers = (0, len(named)) if len(named) < len(kv_caches) else (first, max(total, first + len(named)))
         self.requests.tables = PageTables(len(named), heads, bs, named[0][1].shape[0], device=k0.device)
-        self._check_query_buffers(len(named), k0)
+        layer = next(iter(impls.values()))
+        self.rounds.query_shape = (layer.impl.num_heads, hd, self.vllm_config.model_config.dtype)
+        self._stats.gauge("query_buffer_bound_bytes", self._outside_pool_bound(len(named), layer.impl.num_heads, hd))
         dev = k0.device.type
         op_impls = ops.implementations(dev)
         self._stats.info("ops", op_impls)
@@ -107,23 +110,19 @@ class WorkerSide:
                     self._shape.head_dim, self._shape.block_size, k0.dtype, k0.device, tuple(k0.stride()),
                     tuple(self._views[0][1].stride()), op_impls)
 
-    def _check_query_buffers(self, num_layers: int, k0: torch.Tensor) -> None:
-        """The window-query buffers live outside vLLM's pool: at most one per running request, each
-        ``layers x query heads x window x head dim``. Their bound is counted at start-up, and on a GPU
-        checked against the memory vLLM left free (a request asking for a larger window is refused)."""
-        layer = next(iter(self._layers().values()))
-        per_req = num_layers * layer.impl.num_heads * self.config.window * self._shape.head_dim * k0.element_size()
-        bound = per_req * self.vllm_config.scheduler_config.max_num_seqs
-        self._stats.gauge("query_buffer_bound_bytes", bound)
-        if k0.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(k0.device)
-            if bound > free:
-                raise ValueError(
-                    f"kv_eviction: the window-query buffers of {self.vllm_config.scheduler_config.max_num_seqs} "
-                    f"requests need up to {bound / 2**20:.0f} MiB outside vLLM's KV pool, {free / 2**20:.0f} MiB "
-                    "are free: lower --gpu-memory-utilization, --max-num-seqs or --kv-observation-window")
-        logger.info("kv_eviction: window-query buffers: %.1f MiB per request, at most %.0f MiB", per_req / 2**20,
-                    bound / 2**20)
+    def _outside_pool_bound(self, num_layers: int, num_q_heads: int, head_dim: int) -> int:
+        """Most bytes captured queries of the server's policy take outside vLLM's pool. Windows that span steps
+        go into blocks of the pool as their tokens are computed; a window computed whole in one step (a prompt's
+        end) is kept for that step's round, and a reconstruction policy's hidden requests keep their step's
+        repeat queries until after the forward: at most the step's tokens, every layer. A query-free policy
+        keeps none."""
+        from vllm_contour.policies import build_policy
+
+        pol = build_policy(self.config.policy)
+        if not (pol.needs_queries or pol.needs_reconstruction):
+            return 0
+        tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
+        return num_layers * tokens * num_q_heads * head_dim * self.vllm_config.model_config.dtype.itemsize
 
     def _layers(self):
         from vllm.config import get_layers_from_vllm_config
@@ -159,13 +158,12 @@ class WorkerSide:
             for eid in md.shared_dropped:  # after the adoptions: one may name an entry dropped in this step
                 self._clear_unread(reqs.shared.pop(eid, None), f"shared context {eid}")
             captures = [c for c in md.capture if c.req_id in md.keys]
-            hidden = {it.req_id for it in md.recon}
             for c in captures:
-                if c.req_id in hidden:  # a hidden request's repeat tokens: folded into its owner's scores
+                if c.pages is None:  # a hidden request's repeat tokens: folded into its owner's scores
                     continue
                 rs = reqs.state_for(c.req_id)
-                if rs.ring is None or rs.ring.window != c.window:
-                    rs.ring = QueryRing(c.window)
+                if rs.window is None or rs.window.pages != c.pages or rs.window.round_at != c.round_at:
+                    rs.window = QueryWindow(c.window_start, c.round_at, c.pages)
             keys = {r: key for r, (key, _) in md.keys.items()}
             self._step_reqs = reqs.tables.set_keys(keys, [(c.req_id, keys[c.req_id], c.start, c.end)
                                                           for c in captures])
@@ -201,11 +199,46 @@ class WorkerSide:
                                                   step.max_seq_len)
             if rows is not None and rows.block_table.device.type == "cpu":
                 rows.tables_for_cpu()
+            if cap is not None:
+                step.windows = self._window_plan(cap, step.block_table.device)
         except Exception as e:  # never into vLLM: vLLM's kernel serves every row, compacted ones fail alone
             logger.warning("kv_eviction: metadata for compacted rows failed (%s)", e)
             step.fail(e.req_ids if isinstance(e, RowError) else self._step_reqs, f"metadata: {e}")
             return
         step.rows, step.capture = rows, cap
+
+    def _window_plan(self, cap, device) -> WindowPlan:
+        """Where the step's window queries go: into their request's window pages (each raw element's head-page
+        and element), or kept for this step's round (a window with no pages); and whether a hidden
+        reconstruction request's captures are staged for after the forward."""
+        _, h, bs, d = self._dims
+        hq, _, qdt = self.rounds.query_shape
+        per_row = hq * d * qdt.itemsize // self._shape.elem_size  # raw cache elements per query row
+        per_page = 2 * bs * d
+        hidden = {it.req_id for it in self.message.recon}
+        plan = WindowPlan()
+        rows, pages, elems = [], [], []
+        off = 0
+        for req_id, pos0, n in cap.owners:
+            rs = self.requests.requests.get(req_id)
+            win = rs.window if rs is not None else None
+            if req_id in hidden:
+                plan.keep_staged = plan.keep_staged or n > 0
+            elif win is not None and n > 0 and not win.pages:
+                plan.held.append((win, torch.arange(off, off + n, device=device), pos0 - win.start))
+                win.mark(pos0, n)
+            elif win is not None and n > 0:
+                ids = torch.tensor(win.pages, dtype=torch.int64).repeat_interleave(h) * h + torch.arange(h).repeat(
+                    len(win.pages))
+                e = torch.arange((pos0 - win.start) * per_row, (pos0 - win.start + n) * per_row)
+                pages.append(ids[e // per_page])
+                elems.append(e % per_page)
+                rows.append(torch.arange(off, off + n))
+                win.mark(pos0, n)
+            off += n
+        if rows:
+            plan.paged = (torch.cat(rows).to(device), torch.cat(pages).to(device), torch.cat(elems).to(device))
+        return plan
 
     def _release_layout(self, req_id: str) -> None:
         """Forget a request (finished, preempted, recomputed) and zero its moment pages unless a shared
@@ -230,8 +263,12 @@ class WorkerSide:
             self._check_prediction(md, step)
             self.rounds.run(list(md.rounds), self._views, self._layer_scale() if md.rounds else 0.0,
                             self._stage_layers, self._report, self._stats)
+            for it in md.rounds:  # the round read its window: its pages go back to vLLM's pool
+                rs = self.requests.requests.get(it.req_id)
+                if rs is not None:
+                    rs.window = None
             self.scores.drop_kept(md.scores_dropped)  # after the rounds: one of them may have read them
-            self._stats.gauge("query_buffer_bytes", self.requests.ring_bytes() + self.scores.nbytes)
+            self._stats.gauge("query_buffer_bytes", self.scores.nbytes)
         except Exception as e:  # never into vLLM: a round without an outcome may have moved bytes
             logger.warning("kv_eviction: the step's rounds failed (%s)", e)
             for it in md.rounds:
@@ -265,6 +302,8 @@ class WorkerSide:
                 self._errors[req_id] = "attention: a short context for vLLM's kernel by misprediction"
 
     def _store_captures(self, md: ContourMetadata, step: ContourStep | None) -> None:
+        """Hidden reconstruction requests' repeat queries of the step -> KVzip scores of their owners (window
+        queries were written into their pages by each layer)."""
         cap = step.capture if step is not None else None
         if cap is None or not step.staged:
             return
@@ -272,17 +311,14 @@ class WorkerSide:
         recon = {it.req_id: it for it in md.recon}
         off = 0
         for req_id, pos0, n in cap.owners:
-            rs = self.requests.requests.get(req_id)
             item = recon.get(req_id)
-            if item is not None and n > 0:  # a hidden request's repeat tokens: KVzip scores of its owner
+            if item is not None and n > 0:
                 try:
                     self.scores.fold(item, torch.arange(pos0, pos0 + n, device=stacked.device),
                                      stacked[:, off: off + n], self._views, self._layer_scale())
                 except Exception as e:  # the owner's round then fails to plan: it is served densely
                     logger.warning("kv_eviction: %s: reconstruction scores failed (%s)", item.owner, e)
                     self.scores.drop_owner(item.owner)
-            elif rs is not None and rs.ring is not None and n > 0:
-                rs.ring.write(torch.arange(pos0, pos0 + n, device=stacked.device), stacked[:, off: off + n])
             off += n
 
     def take_report(self) -> ContourReport | None:

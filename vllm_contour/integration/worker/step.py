@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_contour import ops
 from vllm_contour.page_tables import CaptureWindows, StepRows
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class ContourStep:
         self.predicted: torch.Tensor | None = None  # [B] bool: rows shortened for vLLM's kernel by prediction
         self.rows: StepRows | None = None
         self.capture: CaptureWindows | None = None
+        self.windows: WindowPlan | None = None  # where the step's captured queries go
         self.staged: dict[int, torch.Tensor] = {}  # layer -> captured queries of the step [total, Hq, D]
         self.errors: dict[str, str] = {}  # requests whose output of this step is wrong
         self.resolved = False
@@ -76,17 +78,42 @@ class ContourStep:
             return self.predicted
         return self.predicted & (self.rows.row_req < 0)
 
-    def stage(self, layer_idx: int, q3: torch.Tensor) -> None:
-        """Keep the layer's queries of the tokens that fall in an observation window (``capture``)."""
+    def stage(self, layer_idx: int, q3: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+        """The layer's queries of the tokens that fall in an observation window (``capture``): written into
+        their request's window pages at once; a hidden reconstruction request's kept until after the forward."""
         cap = self.capture
         n = cap.dst.numel()
         buf = q3.new_zeros((cap.total + 1, *q3.shape[1:]))
         buf.index_copy_(0, cap.dst, q3[:n])
-        self.staged[layer_idx] = buf[: cap.total]
+        staged = buf[: cap.total]
+        plan = self.windows
+        if plan is None:
+            return
+        if plan.paged is not None:
+            rows, pages, elems = plan.paged
+            it = {4: torch.int32, 2: torch.int16, 1: torch.int8}[key_cache.element_size()]
+            ops.write_page_elems(key_cache, value_cache, pages, elems, staged[rows].contiguous().view(it).reshape(-1))
+        for win, rows, first in plan.held:
+            held = win.held.get(layer_idx)
+            if held is None:
+                held = win.held[layer_idx] = q3.new_zeros((win.round_at - win.start, *q3.shape[1:]))
+            held[first: first + rows.numel()] = staged[rows]
+        if plan.keep_staged:
+            self.staged[layer_idx] = staged
 
     def fail(self, req_ids, why: str) -> None:
         for req_id in req_ids:
             self.errors[req_id] = why
+
+
+@dataclass
+class WindowPlan:
+    """Where one step's captured queries go, made when the step is resolved."""
+
+    # window pages: (rows of the staged captures, head-page of each raw element, its element in the page)
+    paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    held: list = field(default_factory=list)  # (window with no pages, staged rows, first window row)
+    keep_staged: bool = False  # hidden reconstruction requests' captures: folded after the forward
 
 
 @dataclass
