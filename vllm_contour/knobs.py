@@ -114,17 +114,30 @@ def help_text(k: Knob) -> str:
     return f"{k.help}; default {k.default_text()}."
 
 
-def add_arguments(group, more_help: dict[str, str] | None = None) -> None:
-    """The ``--kv-*`` flags on an argparse group (``more_help``: field -> text appended to its help). Values
-    stay strings here: they are validated with the rest of ``additional_config`` (one set of messages)."""
+def add_arguments(group, more_help: dict[str, str] | None = None, check=None) -> None:
+    """The ``--kv-*`` flags on an argparse group (``more_help``: field -> text appended to its help).
+    ``check(knob, value)``: a flag's own value, validated as ``additional_config`` validates it (one set of
+    messages), so that argparse refuses a bad one naming the flag; JSON knobs stay strings here (they are
+    checked against the policy with the rest of the config)."""
     import argparse
+
+    def typed(k):
+        def parse(value: str):
+            try:
+                return check(k, value)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+
+        parse.__name__ = k.dest  # argparse names the type in some messages
+        return parse
 
     for k in SERVER_KNOBS:
         text = " ".join(filter(None, [help_text(k), (more_help or {}).get(k.field)])).replace("%", "%%")
         if k.kind == "bool":
             group.add_argument(k.flag, dest=k.dest, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            group.add_argument(k.flag, dest=k.dest, type=str, default=None, metavar=k.metavar, help=text)
+            kind = typed(k) if check is not None and k.kind != "json" else str
+            group.add_argument(k.flag, dest=k.dest, type=kind, default=None, metavar=k.metavar, help=text)
 
 
 def readme_table() -> str:

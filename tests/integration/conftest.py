@@ -65,10 +65,13 @@ def run_engine(name: str, llm_kwargs: dict, scenarios: list[str], env: dict | No
         out_path.unlink()
     full_env = dict(os.environ)
     full_env.update(env or {})
-    with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "tests.integration.engine_driver", str(spec_path),
-                               str(out_path)], cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
-                              timeout=2400)
+    try:  # the driver fails a scenario that loses a request or outruns its step budget (StepGuard) itself
+        with open(log_path, "w") as log:
+            proc = subprocess.run([sys.executable, "-m", "tests.integration.engine_driver", str(spec_path),
+                                   str(out_path)], cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=1800)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"engine {name} ran past 30 minutes; log tail:\n{log_path.read_text()[-6000:]}") from None
     if expect_failure:
         return {"rc": proc.returncode, "log": log_path.read_text()}
     if proc.returncode != 0 or not out_path.exists():

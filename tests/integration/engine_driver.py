@@ -71,10 +71,21 @@ def _deltas(llm, snap: dict) -> dict:
             "failures": {k: v - f0.get(k, 0) for k, v in now["failures"].items() if v != f0.get(k, 0)}}
 
 
+def _query_blocks(llm) -> dict[str, int]:
+    """Blocks of vLLM's pool that hold each request's window queries right now (taken for its next round)."""
+    conn = _core(llm).scheduler.connector
+    if conn is None:
+        return {}
+    return {rid: len(t.queries.blocks) for rid, t in conn.scheduler_side.tracked.items() if t.queries is not None}
+
+
 def _held(llm) -> dict[str, int]:
-    """Blocks each live request holds in vLLM's pool right now (its block list minus null blocks)."""
+    """Blocks each live request holds in vLLM's pool right now: its block list minus null blocks, and the blocks
+    holding its window queries."""
     mgr = _core(llm).scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-    return {rid.split("-")[0]: sum(1 for b in blocks if not b.is_null) for rid, blocks in mgr.req_to_blocks.items()}
+    q = _query_blocks(llm)
+    return {rid.split("-")[0]: sum(1 for b in blocks if not b.is_null) + q.get(rid, 0)
+            for rid, blocks in mgr.req_to_blocks.items()}
 
 
 def _worker():
@@ -89,6 +100,61 @@ def _layout_of(rid: str):
         return None
     return next((rs.layout for k, rs in _worker().requests.requests.items()
                  if k.split("-")[0] == rid and rs.layout is not None), None)
+
+
+class LostRequest(AssertionError):
+    """A request left vLLM's queues without finishing, or a scenario ran past its step budget."""
+
+
+def _where(sched, rid: str) -> str:
+    req = sched.requests.get(rid)
+    places = [name for name, q in (("running", sched.running), ("waiting", sched.waiting),
+                                   ("waiting with blocks", sched.kv_holding_waiting)) if req is not None and req in q]
+    if req is not None and req.is_finished():
+        places.append("finished")
+    return ", ".join(places) or "neither running nor waiting"
+
+
+class StepGuard:
+    """After every engine step: each live request is in exactly one of vLLM's running / waiting / finished
+    sets, and the steps since the engine was last idle stay within a budget from its requests' lengths (a
+    prefill chunk per ``max_num_batched_tokens`` and a step per output token, three times over for
+    preemptions and recomputes, plus 64). A lost request fails the scenario at once, naming it."""
+
+    def __init__(self, llm):
+        self.llm, self.steps, self.budget, self.seen = llm, 0, 64, set()
+        sched = _core(llm).scheduler
+        self.chunk = max(1, sched.scheduler_config.max_num_batched_tokens)
+
+    def after_step(self) -> None:
+        sched = _core(self.llm).scheduler
+        lost = [rid for rid in sched.requests if _where(sched, rid) in ("neither running nor waiting", "")
+                or "," in _where(sched, rid)]
+        if lost:
+            raise LostRequest("lost: " + "; ".join(f"{rid} is {_where(sched, rid)}" for rid in lost))
+        for rid, req in sched.requests.items():
+            if rid not in self.seen:
+                self.seen.add(rid)
+                n_out = req.sampling_params.max_tokens if req.sampling_params is not None else 1
+                self.budget += 3 * (-(-req.num_prompt_tokens // self.chunk) + (n_out or 1))
+        if not sched.requests:
+            self.steps, self.budget, self.seen = 0, 64, set()
+            return
+        self.steps += 1
+        if self.steps > self.budget:
+            raise LostRequest(f"{self.steps} steps, past the budget of {self.budget} for the requests seen; "
+                              "unfinished: " + "; ".join(f"{rid} is {_where(sched, rid)}" for rid in sched.requests))
+
+    def install(self) -> None:
+        engine = self.llm.llm_engine
+        step = engine.step
+
+        def guarded():
+            out = step()
+            self.after_step()
+            return out
+
+        engine.step = guarded
 
 
 def _drain(llm, on_step=None, reasons: dict | None = None) -> dict[str, list[int]]:
@@ -1074,8 +1140,10 @@ def run_hybrid(llm, spec, res):
             for o in engine.step():
                 if o.finished:
                     toks = list(o.outputs[0].token_ids)
-            held = [sum(1 for b in blocks if not b.is_null) for m in mgrs
-                    for r, blocks in m.req_to_blocks.items() if r.split("-")[0] == rid]
+            q = {r.split("-")[0]: n for r, n in _query_blocks(llm).items()}
+            group = sched.connector.scheduler_side.blocks.group if sched.connector else -1
+            held = [sum(1 for b in blocks if not b.is_null) + (q.get(rid, 0) if i == group else 0)
+                    for i, m in enumerate(mgrs) for r, blocks in m.req_to_blocks.items() if r.split("-")[0] == rid]
             if held:
                 trace.append(held)
         out[rid] = {"tokens": toks, "trace": trace, "free_before": f0, "free_end": _free(llm), "prompt": len(p)}
@@ -1314,9 +1382,6 @@ def main(spec_path: str, out_path: str) -> None:
         triton_on_cpu.enable()
     from vllm import LLM
 
-    from vllm_contour.integration import faults
-
-    faults.install(os.environ.get(faults.FAULTS_ENV))  # TEST ONLY: the failures the engine's env names
     if spec.get("triton_on_cpu"):
         triton_on_cpu.register()
     if spec.get("mrv2"):
@@ -1334,6 +1399,7 @@ def main(spec_path: str, out_path: str) -> None:
     res["runner"] = None if runner is None else f"{type(runner).__module__}.{type(runner).__name__}"
     res["connector"] = type(core.scheduler.connector).__name__ if core.scheduler.connector else None
     _log_rounds(core)
+    StepGuard(llm).install()
     for name in spec["scenarios"]:
         t = time.time()
         print(f"contour-test: scenario {name} starts", file=sys.stderr, flush=True)

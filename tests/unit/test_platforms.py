@@ -117,3 +117,46 @@ def test_each_platform_registers_its_backend_over_vllms():
         base_mod, base_cls = theirs.value.rsplit(".", 1) if hasattr(theirs, "value") else (None, None)
         base = getattr(importlib.import_module(base_mod), base_cls)
         assert issubclass(ours, base) and ours.get_name() == p.backend
+
+
+def test_rocm_is_refused_naming_it(on_cuda, monkeypatch):
+    """vLLM's ROCm platform reports CUDA's device type: eviction is refused there until it has run."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_rocm", lambda self: True, raising=False)
+    with pytest.raises(EvictionConfigError, match="ROCm"):
+        _prepare(_args())
+
+
+@pytest.mark.parametrize("kv_dtype, model_dtype, ok", [("auto", "bfloat16", True), ("bfloat16", "bfloat16", True),
+                                                       ("float16", "bfloat16", False), ("fp8", "bfloat16", False)])
+def test_a_cache_dtype_equal_to_the_models_is_accepted(on_cuda, kv_dtype, model_dtype, ok):
+    import torch
+    from types import SimpleNamespace
+
+    from vllm_contour.integration.engine_args import cache_shape_of
+
+    if kv_dtype == "fp8":
+        with pytest.raises(EvictionConfigError, match="--kv-cache-dtype fp8"):
+            _prepare(_args(kv_cache_dtype=kv_dtype))
+        return
+    _prepare(_args(kv_cache_dtype=kv_dtype))
+    mc = SimpleNamespace(dtype=getattr(torch, model_dtype), get_num_kv_heads=lambda pc: 2, get_head_size=lambda: 64)
+    cfg = SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(cache_dtype=kv_dtype, block_size=32),
+                          parallel_config=None)
+    if ok:
+        assert cache_shape_of(cfg).elem_size == 2
+    else:
+        with pytest.raises(EvictionConfigError, match=f"--kv-cache-dtype {kv_dtype}.*model's dtype"):
+            cache_shape_of(cfg)
+
+
+def test_an_mla_model_is_refused_naming_it():
+    from types import SimpleNamespace
+
+    from vllm_contour.config import EvictionConfig
+    from vllm_contour.integration.engine_args import check_against_cache
+
+    cfg = SimpleNamespace(model_config=SimpleNamespace(use_mla=True, model="deepseek-ai/DeepSeek-V2-Lite"))
+    with pytest.raises(EvictionConfigError, match="DeepSeek-V2-Lite.*multi-head latent attention"):
+        check_against_cache(EvictionConfig(policy="snapkv"), cfg)

@@ -13,8 +13,11 @@ floor and its flags).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import sys
+import weakref
 
 from vllm_contour.config import ADDITIONAL_CONFIG_KEY, EvictionConfig, EvictionConfigError
 from vllm_contour.knobs import BY_FLAG_DEST, add_arguments
@@ -42,8 +45,16 @@ def add_eviction_args(parser):
         description="Per-head KV-cache eviction after prefill; freed blocks go back to vLLM's pool. "
                     "Same keys as --additional-config '{\"kv_eviction\": {...}}'.")
     policies = "; ".join(f"{k}: {v}" for k, v in policy_help().items())
-    add_arguments(group, {"policy": f"Policies: {policies}."})
+    add_arguments(group, {"policy": f"Policies: {policies}."}, check=_check_flag)
     return parser
+
+
+def _check_flag(knob, value: str):
+    """A ``--kv-*`` flag's value, as ``additional_config`` would take it: errors name the value's meaning
+    (argparse puts the flag in front)."""
+    from vllm_contour.config import check_value
+
+    return check_value(knob, "value", value)
 
 
 def fold_cli_args(args: argparse.Namespace, additional_config) -> dict | None:
@@ -105,6 +116,11 @@ def prepare_engine_args(engine_args) -> EvictionConfig:
                         DEFAULT_EVICTION_BLOCK_SIZE)
         if engine_args.speculative_config:
             _check_speculative(engine_args.speculative_config)
+        offload = getattr(engine_args, "kv_offloading_size", None)
+        if offload:  # vLLM would put its offloading connector (--kv-offloading-backend) in the plugin's slot
+            raise EvictionConfigError(
+                f"--kv-offloading-size {offload} cannot be combined with --kv-eviction-policy: CPU offloading of "
+                "the KV cache takes vLLM's KV connector slot, which eviction needs; drop one of them")
         if engine_args.scheduler_cls not in (None, SCHEDULER_CLS):
             raise EvictionConfigError(
                 f"--scheduler-cls {engine_args.scheduler_cls!r} cannot be combined with --kv-eviction-policy: "
@@ -135,11 +151,14 @@ def cache_shape_of(vllm_config):
     """Per-rank KV cache shape from vLLM's config (what the workers' caches will be)."""
     from vllm_contour.budget import CacheShape
 
+    from vllm_contour.integration.platforms import UNQUANTISED
+
     mc, cc = vllm_config.model_config, vllm_config.cache_config
-    dtype = mc.dtype if cc.cache_dtype in (None, "auto") else None
+    named = UNQUANTISED.get(str(cc.cache_dtype))
+    dtype = mc.dtype if cc.cache_dtype in (None, "auto") or named == str(mc.dtype).replace("torch.", "") else None
     if dtype is None:
         raise EvictionConfigError(f"--kv-cache-dtype {cc.cache_dtype} cannot be combined with "
-                                  "--kv-eviction-policy yet (use auto)")
+                                  f"--kv-eviction-policy yet (use auto, or the model's dtype {mc.dtype})")
     return CacheShape.of(block_size=cc.block_size, num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
                          head_dim=mc.get_head_size(), dtype=dtype)
 
@@ -151,9 +170,35 @@ def check_against_cache(cfg: EvictionConfig, vllm_config) -> None:
     from vllm_contour.budget import request_budget
     from vllm_contour.config import resolve_request
 
+    mc = vllm_config.model_config
+    if getattr(mc, "use_mla", False):
+        raise EvictionConfigError(
+            f"--kv-eviction-policy cannot be used with {mc.model}: it uses multi-head latent attention (MLA), "
+            "whose compressed KV cache has no per-head pages to evict")
     shape = cache_shape_of(vllm_config)
     request_budget(resolve_request(cfg, None), shape, per_request=False)
     ACTIVE_SHAPE = shape
+
+
+# EngineArgs made from a command line (``from_cli_args``): their refusals end the process with one line
+# naming the flag, as vLLM's own argument errors do; an offline ``LLM(...)`` gets the exception.
+_FROM_CLI: set[int] = set()  # ids, each dropped when its EngineArgs goes
+
+
+def _mark_cli(engine_args) -> None:
+    _FROM_CLI.add(id(engine_args))
+    weakref.finalize(engine_args, _FROM_CLI.discard, id(engine_args))
+
+
+@contextlib.contextmanager
+def _one_line(cli: bool = True):
+    try:
+        yield
+    except EvictionConfigError as e:
+        if not cli:
+            raise
+        sys.stderr.write(f"vllm: error: {e}\n")
+        raise SystemExit(2) from None
 
 
 def patch_engine_args() -> None:
@@ -170,17 +215,21 @@ def patch_engine_args() -> None:
     def make_from(orig):
         def from_cli_args(cls, args):
             engine_args = orig.__func__(cls, args)
-            engine_args.additional_config = fold_cli_args(args, engine_args.additional_config)
+            with _one_line():
+                engine_args.additional_config = fold_cli_args(args, engine_args.additional_config)
+                prepare_engine_args(engine_args)  # refuse conflicting flags now, before vLLM starts anything
+            _mark_cli(engine_args)
             return engine_args
 
         return classmethod(from_cli_args)
 
     def make_create(orig):
         def create_engine_config(self, *a, **kw):
-            cfg = prepare_engine_args(self)
-            vllm_config = orig(self, *a, **kw)
-            if cfg.enabled:
-                check_against_cache(cfg, vllm_config)
+            with _one_line(id(self) in _FROM_CLI):
+                cfg = prepare_engine_args(self)
+                vllm_config = orig(self, *a, **kw)
+                if cfg.enabled:
+                    check_against_cache(cfg, vllm_config)
             return vllm_config
 
         return create_engine_config

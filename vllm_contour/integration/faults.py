@@ -1,7 +1,7 @@
-"""TEST ONLY: the fault switch. ``install(spec)``, called by the tests' engine driver before the engine
-starts (spec from ``VLLM_CONTOUR_FAULTS``), wraps the worker side's methods so that chosen eviction rounds,
-compacted rows or the start-up layout probe fail, and the tests can check that a failure stays with its
-request. Product code has no fault branches: nothing here runs unless a test installs it.
+"""TEST ONLY: the fault switch. ``install(spec)`` (spec from ``VLLM_CONTOUR_FAULTS``, which tests set; the
+plugin's ``register()`` passes it on in every vLLM process) wraps the worker side's methods so that chosen
+eviction rounds, compacted rows or the start-up layout probe fail, and the tests can check that a failure
+stays with its request. Product code has no fault branches: with the variable unset nothing is wrapped.
 """
 
 from __future__ import annotations
@@ -111,6 +111,9 @@ def _compaction_fails_after_first_layer():
         ops.compact = real
 
 
+_INSTALLED: FaultSwitch | None = None
+
+
 def install(spec: str | None) -> FaultSwitch:
     """Wrap the worker side's round planning and applying, step resolution and the CPU layout probe with
     the faults ``spec`` names (a no-op for an empty spec)."""
@@ -119,13 +122,17 @@ def install(spec: str | None) -> FaultSwitch:
     from vllm_contour.integration.worker.side import WorkerSide
     from vllm_contour.ops import cpu_layout
 
+    global _INSTALLED
     fs = FaultSwitch(spec)
-    if not fs.on:
-        return fs
+    if not fs.on or _INSTALLED is not None:  # one switch per process
+        return _INSTALLED or fs
+    _INSTALLED = fs
     plan_all, apply_all, resolve = WorkerRounds.plan_all, WorkerRounds.apply_all, WorkerSide.resolve
     offsets = cpu_layout.written_offsets
 
     def uninstall():
+        global _INSTALLED
+        _INSTALLED = None
         WorkerRounds.plan_all, WorkerRounds.apply_all, WorkerSide.resolve = plan_all, apply_all, resolve
         cpu_layout.written_offsets = offsets
         cpu_layout.probe_layout.cache_clear()

@@ -22,6 +22,8 @@ def _prepare_cpu(engine_args) -> None:
 
 
 _FULL_GRAPHS = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+UNQUANTISED = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
+               "float": "float32"}  # --kv-cache-dtype names of unquantised caches -> torch dtype names
 
 
 def _prepare_cuda(engine_args) -> None:
@@ -47,9 +49,10 @@ def _prepare_cuda(engine_args) -> None:
             f"--compilation-config cudagraph_mode={mode} cannot be combined with --kv-eviction-policy: compacted "
             "rows change their page tables between steps, so attention runs outside CUDA graphs; use "
             "cudagraph_mode PIECEWISE (the plugin's default) or NONE")
-    if getattr(engine_args, "kv_cache_dtype", "auto") not in (None, "auto"):
-        raise EvictionConfigError(f"--kv-cache-dtype {engine_args.kv_cache_dtype} cannot be combined with "
-                                  "--kv-eviction-policy (use auto)")
+    kv_dtype = getattr(engine_args, "kv_cache_dtype", "auto")
+    if kv_dtype not in (None, "auto", *UNQUANTISED):  # one equal to the model's dtype is checked at start-up
+        raise EvictionConfigError(f"--kv-cache-dtype {kv_dtype} cannot be combined with --kv-eviction-policy "
+                                  "(use auto)")
     if getattr(engine_args, "async_scheduling", None):
         raise EvictionConfigError(
             "--async-scheduling cannot be combined with --kv-eviction-policy: a round's freed blocks and its "
@@ -73,6 +76,11 @@ PLATFORMS = {
 
 
 def platform_of(device_type: str) -> Platform:
+    from vllm.platforms import current_platform
+
+    if device_type == "cuda" and current_platform.is_rocm():  # vLLM's ROCm platform reports CUDA's device type
+        raise EvictionConfigError("--kv-eviction-policy: vllm-contour has not run on ROCm; it evicts on vLLM's "
+                                  "CUDA and CPU platforms")
     p = PLATFORMS.get(device_type)
     if p is None:
         raise EvictionConfigError(

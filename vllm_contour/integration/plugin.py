@@ -50,10 +50,6 @@ def _validate_request_args(extra_args) -> dict | None:
             params = resolve_request(active, extra_args)  # knobs checked against the request's policy
             if params.enabled and engine_args.ACTIVE_SHAPE is not None:
                 request_budget(params, engine_args.ACTIVE_SHAPE, per_request=True)
-            if params.enabled and params.window > active.window:
-                raise EvictionConfigError(
-                    f"kv_observation_window {params.window} is larger than the server's --kv-observation-window "
-                    f"{active.window} (the window-query buffers are sized for it at start-up)")
         except EvictionConfigError as e:
             raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
         return resolved_entry(active, params)
@@ -178,6 +174,11 @@ def register() -> None:
         from vllm_contour.integration import vllm_hooks
 
         _install()
+        from vllm_contour.integration import faults
+
+        if faults.install(os.environ.get(faults.FAULTS_ENV)).on:  # TEST ONLY: tests set the variable
+            _log(f"vllm-contour: TEST-ONLY fault switch {faults.FAULTS_ENV}={os.environ[faults.FAULTS_ENV]} is on",
+                 warning=True)
         where = f"pid {os.getpid()}, process {multiprocessing.current_process().name}"
         if vllm_hooks.NOT_INSTALLED:
             _log(f"vllm-contour plugin registered ({where}) without: "
