@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_contour.policies import LayerBudget, LayerInputs, Policy, build_policy, policy_help, policy_names
+from vllm_contour.policies import (Allocator, LayerBudget, LayerInputs, Policy, Scorer, Selector, build_policy,
+                                   policy_help, policy_names)
 from vllm_contour.policies.allocators import (AdaKVAllocator, ContourAllocator, PyramidAllocator,
                                               UniformAllocator, clamp_total, dropped_mass, mass_curve,
                                               pyramid_schedule, score_mass)
@@ -45,12 +46,11 @@ def make_inp(h=2, hq=4, t=100, d=8, bs=8, region_pages=None, window_end=None, w=
                        query_positions=qpos, window_end=window_end, reconstruction=recon)
 
 
-class ConstScorer:
+class ConstScorer(Scorer):
     """Test helper: fixed scores."""
 
-    def __init__(self, scores, needs_queries=False):
+    def __init__(self, scores):
         self.scores = scores
-        self.needs_queries = needs_queries
 
     def score(self, inp):
         return self.scores.clone()
@@ -128,7 +128,7 @@ def test_uniform_allocation_of_many_layers_at_once_equals_each_layer_alone():
         caps = torch.randint(0, 12, (400, h), generator=g)
         totals = torch.randint(0, 60, (400,), generator=g)
         floors = torch.randint(0, 5, (400,), generator=g)
-        got = UniformAllocator.allocate_groups(caps, totals, floors)
+        got = UniformAllocator().allocate_groups(caps, totals, floors)
         for i in range(400):
             inp = make_inp(h=h, hq=h, t=96, bs=8, region_pages=12)
             inp.head_pages = caps[i]
@@ -690,9 +690,7 @@ def test_gqa_mismatch_is_reported():
 def test_budget_hint_passed_to_scorer():
     seen = {}
 
-    class Spy:
-        needs_queries = False
-
+    class Spy(Scorer):
         def score(self, inp):
             seen["budget"] = inp.head_budget_pages()
             return torch.zeros(inp.num_kv_heads, inp.region_len)
@@ -703,6 +701,104 @@ def test_budget_hint_passed_to_scorer():
     # layer 0 is the largest: it gets the whole layer budget, 10 pages = 5 per head
     assert seen["budget"].tolist() == [5, 5]
     assert math.isclose(float(pyramid_schedule(10, 4, 3.0).float().mean()), 10.0)
+
+
+# ----------------------------------------------------------------------------------------- interfaces
+class _Duck:
+    """Has every method a component has, and subclasses no interface."""
+
+    needs_queries = needs_values = False
+
+    def score(self, inp):
+        return torch.zeros(inp.num_kv_heads, inp.region_len)
+
+    def allocate(self, scores, inp, budget):
+        return UniformAllocator().allocate(scores, inp, budget)
+
+    def select(self, scores, pages, inp):
+        return TopKSelector().select(scores, pages, inp)
+
+
+@pytest.mark.parametrize("role", ["scorer", "allocator", "selector", "alloc_scorer"])
+def test_a_component_that_does_not_subclass_its_interface_is_refused_when_the_policy_is_built(role):
+    """Capabilities are declared on the interfaces (``base.Scorer`` / ``Allocator`` / ``Selector``), never
+    probed: a component that only looks like one (the right methods, no interface) is refused by name."""
+    parts = {"scorer": SnapKVScorer(), "allocator": UniformAllocator(), "selector": TopKSelector(),
+             "alloc_scorer": None}
+    Policy("ok", parts["scorer"], parts["allocator"], parts["selector"], alloc_scorer=parts["alloc_scorer"])
+    parts[role] = _Duck()
+    kind = {"alloc_scorer": "Scorer"}.get(role, role.capitalize())
+    with pytest.raises(TypeError, match=rf"policy 'duck': {role} _Duck does not subclass .*base\.{kind}\b"):
+        Policy("duck", parts["scorer"], parts["allocator"], parts["selector"], alloc_scorer=parts["alloc_scorer"])
+
+
+def test_components_inside_components_are_refused_too():
+    with pytest.raises(TypeError, match="moment weight _Duck"):
+        MomentScorer(weight=_Duck())
+    with pytest.raises(TypeError, match="pyramid inner _Duck"):
+        PyramidAllocator(inner=_Duck())
+
+
+def test_every_preset_component_subclasses_its_interface():
+    for name in policy_names():
+        pol = build_policy(name)
+        assert isinstance(pol.scorer, Scorer) and isinstance(pol.allocator, Allocator)
+        assert isinstance(pol.selector, Selector)
+        assert pol.alloc_scorer is None or isinstance(pol.alloc_scorer, Scorer)
+
+
+def test_a_policy_reads_the_capabilities_its_components_declare():
+    """Each capability comes from the components' declarations: the interface's default, a subclass's class
+    attribute, or a property that follows a knob or a component held inside."""
+
+    class Recon(Scorer):
+        needs_reconstruction = True
+
+        def score(self, inp):
+            return torch.zeros(inp.num_kv_heads, inp.region_len)
+
+    class Asks(UniformAllocator):
+        needs_queries = True
+        needs_values = True
+
+    plain = Policy("p", KeyNormScorer(), UniformAllocator(), TopKSelector())
+    assert (plain.needs_queries, plain.needs_values, plain.needs_reconstruction, plain.accumulates) == (False,) * 4
+    assert Policy("a", KeyNormScorer(), Asks(), TopKSelector()).needs_queries
+    assert Policy("a", KeyNormScorer(), PyramidAllocator(inner=Asks()), TopKSelector()).needs_values
+    assert Policy("r", KeyNormScorer(), UniformAllocator(), TopKSelector(), alloc_scorer=Recon()).needs_reconstruction
+    assert Policy("m", MomentScorer(weight=Recon()), UniformAllocator(), TopKSelector()).needs_reconstruction
+    assert Policy("h", H2OScorer(), UniformAllocator(), TopKSelector()).accumulates
+    assert not Policy("h", KeyNormScorer(), UniformAllocator(), TopKSelector(), alloc_scorer=H2OScorer()).accumulates
+    assert not Policy("d", KeyNormScorer(), UniformAllocator(), DiversitySelector(lam=0.0)).needs_values
+
+
+def test_every_layer_schedule_is_told_its_floor_and_cap():
+    """One signature for every schedule: the planner passes each layer's index, the heads' floors and the most
+    the layer may hold, always; an allocator without a schedule keeps the base."""
+    seen = []
+
+    class Schedule(UniformAllocator):
+        def layer_total_pages(self, base_total, layer_idx, num_layers, min_total, max_total):
+            seen.append((base_total, layer_idx, num_layers, min_total, max_total))
+            return max(min_total, base_total - layer_idx)
+
+    inp = make_inp(h=2, hq=4, t=48, bs=8, layer_idx=1, num_layers=4)  # 6 candidate pages per head
+    rows = dataclasses.replace(inp, keys=inp.keys.repeat(2, 1, 1), values=inp.values.repeat(2, 1, 1),
+                               queries=inp.queries.repeat(2, 1, 1), reconstruction=None)
+    pol = Policy("s", KeyNormScorer(), Schedule(), TopKSelector(), sink_tokens=2, recent_window=6)
+    sel = pol.plan_rows(rows, [9, 20], 2)
+    assert seen == [(9, 1, 4, 2, 9), (20, 2, 4, 2, 12)]
+    assert [sum(s.counts()) // 8 for s in sel] == [8, 12]
+    assert Allocator.layer_total_pages(UniformAllocator(), 9, 1, 4, 2, 9) == 9
+
+
+def test_candidates_only_needs_its_group_split():
+    with pytest.raises(TypeError, match="Lazy declares candidates_only but defines no allocate_groups"):
+        class Lazy(Allocator):
+            candidates_only = True
+
+            def allocate(self, scores, inp, budget):
+                return torch.zeros(inp.num_kv_heads, dtype=torch.int64)
 
 
 # ----------------------------------------------------------------------------------------- decode-time rounds

@@ -39,10 +39,12 @@ VARIANTS = {"contour": [{"mix": 0.5, "power": 0.5}], "contour_diverse": [{"lam":
 
 def _extras() -> dict[str, Policy]:
     """Component combinations no preset has (a balancing selector, a schedule over a mass allocator)."""
-    return {"x_balancing": Policy("x_balancing", H2OScorer(), UniformAllocator(), BalancingSelector(max_swaps=4, pool=4),
-                                  sink_tokens=SINKS, recent_window=RECENT),
-            "x_pyramid_contour": Policy("x_pyramid_contour", KeyNormScorer(), PyramidAllocator(3.0, ContourAllocator(0.7)),
-                                        DiversitySelector(0.3), sink_tokens=SINKS, recent_window=RECENT,
+    balancing = BalancingSelector(max_swaps=4, pool=4)
+    pyramid = PyramidAllocator(3.0, ContourAllocator(0.7))
+    return {"x_balancing": Policy("x_balancing", H2OScorer(), UniformAllocator(), balancing, sink_tokens=SINKS,
+                                  recent_window=RECENT),
+            "x_pyramid_contour": Policy("x_pyramid_contour", KeyNormScorer(), pyramid, DiversitySelector(0.3),
+                                        sink_tokens=SINKS, recent_window=RECENT,
                                         alloc_scorer=SnapKVScorer(kernel_size=3))}
 
 

@@ -8,13 +8,18 @@ sorted indices of the tokens it keeps inside the *compactable region* ``[0, regi
 Budgets are handed out in whole head-pages: every head keeps ``pages[h] * page_size`` tokens. The caller
 decides the layer's total number of pages (``LayerBudget``); the allocator splits it between heads, the
 selector picks the tokens. Nothing here imports vLLM.
+
+Every component subclasses its interface (``Scorer``, ``Allocator``, ``Selector``), which declares, with a
+default, each capability the planner reads: what inputs it needs, whether its scores carry over, a layer
+schedule, whether it splits or selects many layers at once. ``Policy`` refuses a component that does not.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import ClassVar
 
 import torch
 
@@ -188,23 +193,58 @@ class Selection:
         return [int(k.numel()) for k in self.kept]
 
 
-@runtime_checkable
-class Scorer(Protocol):
-    needs_queries: bool
+class Component(abc.ABC):
+    """What every component declares about the inputs it reads. Class-level defaults; a component whose answer
+    depends on its knobs (or on a component it holds) overrides one with a property."""
 
+    needs_queries: ClassVar[bool] = False  # reads the captured window queries (``LayerInputs.queries``)
+    needs_values: ClassVar[bool] = False  # reads ``LayerInputs.values`` (else the caller may hand an empty tensor)
+
+
+class Scorer(Component):
+    needs_reconstruction: ClassVar[bool] = False  # scores with the engine's context reconstruction (KVzip)
+    # carries its kept tokens' scores into the next round (``Selection.scores`` -> ``LayerInputs.prior``; H2O)
+    accumulates: ClassVar[bool] = False
+
+    @abc.abstractmethod
     def score(self, inp: LayerInputs) -> torch.Tensor:
         """``[H, region_len]`` float scores; higher = more worth keeping."""
 
 
-@runtime_checkable
-class Allocator(Protocol):
+class Allocator(Component):
+    # the split depends on the heads' candidate pages, the layer total and the floor alone (not on scores or
+    # keys): ``allocate_groups`` then splits many (request, layer) groups in one call
+    candidates_only: ClassVar[bool] = False
+
+    @abc.abstractmethod
     def allocate(self, scores: torch.Tensor, inp: LayerInputs, budget: LayerBudget) -> torch.Tensor:
         """``[H]`` int64 pages per head: each in [floor, region_pages], summing to the layer total
         (clipped to what the region can hold)."""
 
+    def layer_total_pages(self, base_total: int, layer_idx: int, num_layers: int, min_total: int,
+                          max_total: int) -> int:
+        """The layer schedule: head-pages layer ``layer_idx`` (of ``num_layers``) keeps when the caller gave it
+        ``base_total``, within ``[min_total, max_total]`` (its heads' floors; the base, or less when its
+        candidates hold less). Default: no schedule, the base."""
+        return base_total
 
-@runtime_checkable
-class Selector(Protocol):
+    def allocate_groups(self, caps: torch.Tensor, totals: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
+        """``allocate`` of many groups at once, for an allocator that is ``candidates_only``: group g (``caps[g]``,
+        ``[G, H]``: its heads' candidate pages) keeps ``totals[g]`` pages with ``floors[g]`` per head -> ``[G, H]``."""
+        raise NotImplementedError(f"{type(self).__name__} is not candidates_only")
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if cls.candidates_only is True and cls.allocate_groups is Allocator.allocate_groups:
+            raise TypeError(f"{cls.__name__} declares candidates_only but defines no allocate_groups")
+
+
+class Selector(Component):
+    # each row is selected on its own, whatever the others: the rows of several layers and requests may be
+    # selected in one call (padded with -inf past a row's region)
+    rowwise: ClassVar[bool] = False
+
+    @abc.abstractmethod
     def select(self, scores: torch.Tensor, pages: torch.Tensor, inp: LayerInputs) -> list[torch.Tensor]:
         """Per head sorted kept indices, ``pages[h] * page_size`` of them. ``scores`` are the scorer's
         scores with the forced tokens (sinks, recent window) set to ``+inf``."""

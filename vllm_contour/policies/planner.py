@@ -3,9 +3,11 @@
 Rows ``[l * H, (l + 1) * H)`` of a request's input are its layer ``layer_idx + l``. Each request's rows
 are scored on their own (one scorer call per request: scorers work per KV head, and a request's window
 queries and context end are its own). Allocation runs per (request, layer), in one call over all of them
-when the allocator splits pages by the heads' candidates alone (``allocate_groups``); a rowwise selector
-sees every request's rows in one call (padding past a request's region ranks last). So several requests
-planned together keep exactly what each keeps planned alone, with the per-layer Python paid once.
+when the allocator splits pages by the heads' candidates alone (``Allocator.candidates_only``); a rowwise
+selector sees every request's rows in one call (padding past a request's region ranks last). So several
+requests planned together keep exactly what each keeps planned alone, with the per-layer Python paid once.
+It takes the components and the forced tokens (sinks, recent window) as they are, reads only what their
+interfaces declare (``base``), and calls nothing of ``Policy``, which calls it.
 """
 
 from __future__ import annotations
@@ -13,14 +15,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from .base import LayerBudget, LayerInputs, Scorer, Selection
-
-if TYPE_CHECKING:
-    from .policy import Policy
+from .base import Allocator, LayerBudget, LayerInputs, Scorer, Selection, Selector
 
 
 @dataclass
@@ -48,15 +46,24 @@ class _Rows:
         return self.views[layer]
 
 
-def plan_requests(policy: Policy, inputs: list[LayerInputs], totals: list[list[int]],
-                  heads_per_layer: int) -> list[list[Selection]]:
+def plan_requests(inputs: list[LayerInputs], totals: list[list[int]], heads_per_layer: int, *, scorer: Scorer,
+                  allocator: Allocator, selector: Selector, alloc_scorer: Scorer | None, sink_tokens: int,
+                  recent_window: int) -> list[list[Selection]]:
     """Request r (``inputs[r]``, rows of ``len(totals[r])`` layers) keeps ``totals[r][l]`` head-pages in
-    its layer l (before any layer schedule); -> each request's selections, layer by layer."""
+    its layer l (before any layer schedule); every head keeps its first ``sink_tokens`` positions and the last
+    ``recent_window`` before the context end (``forced_mask``). -> each request's selections, layer by layer."""
     h = heads_per_layer
-    rows = [_score(policy, inp, t, h) for inp, t in zip(inputs, totals)]
-    live = [r for r in rows if r is not None]
-    pages = _allocate(policy, live)
-    kept = _select(policy, live, pages)
+    live = []
+    for inp, t in zip(inputs, totals):
+        if inp.num_kv_heads != h * len(t):
+            raise ValueError(f"{inp.num_kv_heads} rows for {len(t)} layers of {h} heads")
+        if inp.region_len:
+            forced = forced_mask(inp, sink_tokens, recent_window)
+            floors = layer_floors(forced, inp, len(t))
+            live.append(_score(inp, h, forced, floors, layer_totals(allocator, t, inp, h, floors), scorer,
+                               alloc_scorer))
+    pages = _allocate(allocator, live)
+    kept = _select(selector, live, pages)
     out, it = [], iter(zip(live, pages, kept))
     for inp, t in zip(inputs, totals):
         if inp.region_len == 0:
@@ -66,64 +73,74 @@ def plan_requests(policy: Policy, inputs: list[LayerInputs], totals: list[list[i
         _check(p, k, inp)
         out.append([Selection(kept=k[layer * h:(layer + 1) * h],
                               scores=[r.scores[i, k[i]] for i in range(layer * h, (layer + 1) * h)]
-                              if policy.accumulates else None)
+                              if scorer.accumulates else None)
                     for layer in range(r.n_layers)])
     return out
 
 
-def _score(policy: Policy, inp: LayerInputs, totals: list[int], h: int) -> _Rows | None:
-    n_layers = len(totals)
-    if inp.num_kv_heads != h * n_layers:
-        raise ValueError(f"{inp.num_kv_heads} rows for {n_layers} layers of {h} heads")
-    if inp.region_len == 0:
-        return None
-    forced = policy.forced_mask(inp)
-    floors = layer_floors(forced, inp, n_layers)
-    if getattr(policy.allocator, "layer_total_pages", None) is not None:  # a layer schedule (PyramidKV)
-        totals = [policy.layer_total_pages(totals[layer], layer_view(inp, layer, h), floors[layer])
-                  for layer in range(n_layers)]
+def forced_mask(inp: LayerInputs, sink_tokens: int, recent_window: int) -> torch.Tensor:
+    """``[H, region_len]`` bool: sinks (positions below ``sink_tokens``) and the recency window (the last
+    ``recent_window`` positions before the context end) among the region's candidates. Every head keeps them."""
+    pos = inp.key_positions()
+    real = pos[inp.key_mask()]
+    end = min(inp.context_end, int(real.max()) + 1) if real.numel() else 0
+    pos = pos[:, :inp.region_len]
+    return ((pos < sink_tokens) | ((pos >= end - recent_window) & (pos < end))) & inp.candidate_mask()
+
+
+def layer_totals(allocator: Allocator, totals: list[int], inp: LayerInputs, h: int, floors: list[int]) -> list[int]:
+    """Each layer's head-pages after the allocator's layer schedule (``Allocator.layer_total_pages``): layer l
+    (rows ``[l * H, (l + 1) * H)``) is told its heads' floors and the most it may hold (its base, or less when
+    its candidates hold less)."""
+    caps = inp.head_caps().view(len(totals), h).sum(dim=1).tolist()
+    return [int(allocator.layer_total_pages(t, inp.layer_idx + layer, inp.num_layers, f * h, min(t, c)))
+            for layer, (t, f, c) in enumerate(zip(totals, floors, caps))]
+
+
+def _score(inp: LayerInputs, h: int, forced: torch.Tensor, floors: list[int], totals: list[int], scorer: Scorer,
+           alloc_scorer: Scorer | None) -> _Rows:
     share = torch.tensor([t // h for t in totals], dtype=torch.int64).repeat_interleave(h)
     scored = dataclasses.replace(inp, budget_pages=share)
-    scores = _run_scorer(policy.scorer, scored)
-    alloc = scores if policy.alloc_scorer is None else _run_scorer(policy.alloc_scorer, scored)
-    return _Rows(inp, h, floors, list(totals), forced, scores, alloc)
+    scores = _run_scorer(scorer, scored)
+    alloc = scores if alloc_scorer is None else _run_scorer(alloc_scorer, scored)
+    return _Rows(inp, h, floors, totals, forced, scores, alloc)
 
 
-def _allocate(policy: Policy, rows: list[_Rows]) -> list[torch.Tensor]:
+def _allocate(allocator: Allocator, rows: list[_Rows]) -> list[torch.Tensor]:
     """``[L * H]`` pages of each request."""
-    groups = getattr(policy.allocator, "allocate_groups", None)
-    if groups is not None and rows:  # one call over every (request, layer)
+    if allocator.candidates_only and rows:  # one call over every (request, layer)
         h = rows[0].h
         caps = torch.cat([r.inp.head_caps() for r in rows]).view(-1, h)
-        pages = groups(caps, torch.tensor([t for r in rows for t in r.totals], dtype=torch.int64),
-                       torch.tensor([f for r in rows for f in r.floors], dtype=torch.int64)).reshape(-1)
-        return list(torch.split(pages, [r.inp.num_kv_heads for r in rows]))
+        totals = torch.tensor([t for r in rows for t in r.totals], dtype=torch.int64)
+        floors = torch.tensor([f for r in rows for f in r.floors], dtype=torch.int64)
+        pages = allocator.allocate_groups(caps, totals, floors)
+        return list(torch.split(pages.reshape(-1), [r.inp.num_kv_heads for r in rows]))
     out = []
     for r in rows:
         per_layer = []
         for layer in range(r.n_layers):
             sl = slice(layer * r.h, (layer + 1) * r.h)
             budget = LayerBudget(total_pages=r.totals[layer], floor_pages=r.floors[layer], forced=r.forced[sl])
-            per_layer.append(policy.allocator.allocate(r.alloc_scores[sl], r.view(layer), budget))
+            per_layer.append(allocator.allocate(r.alloc_scores[sl], r.view(layer), budget))
         out.append(torch.cat(per_layer))
     return out
 
 
-def _select(policy: Policy, rows: list[_Rows], pages: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+def _select(selector: Selector, rows: list[_Rows], pages: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Each request's kept indices, row by row."""
     ranked = [_ranked(r.scores, r.forced, r.inp) for r in rows]
-    if getattr(policy.selector, "rowwise", False) and rows:  # every request's rows in one call
+    if selector.rowwise and rows:  # every request's rows in one call
         width = max(x.shape[1] for x in ranked)
         padded = torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1]), value=-float("inf")) for x in ranked])
-        kept = policy.selector.select(padded, torch.cat(pages), rows[0].inp)
+        kept = selector.select(padded, torch.cat(pages), rows[0].inp)
         out, a = [], 0
         for r in rows:
             out.append(kept[a:a + r.inp.num_kv_heads])
             a += r.inp.num_kv_heads
         return out
     return [[k for layer in range(r.n_layers)
-             for k in policy.selector.select(x[layer * r.h:(layer + 1) * r.h], p[layer * r.h:(layer + 1) * r.h],
-                                             r.view(layer))]
+             for k in selector.select(x[layer * r.h:(layer + 1) * r.h], p[layer * r.h:(layer + 1) * r.h],
+                                      r.view(layer))]
             for r, x, p in zip(rows, ranked, pages)]
 
 

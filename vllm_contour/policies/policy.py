@@ -10,18 +10,18 @@ each head is scored on its own (a scorer only ever sees one head's keys, with th
 positions), then the scores are padded into one ``[H, N]`` row set and allocated and selected together.
 Scorers are per KV head, so both give the same result when the heads' candidates are the same.
 ``plan_rows`` (every layer of a request) and ``plan_requests`` (several requests) run the pipeline in
-``planner``.
+``planner``; the calls go one way, from here to there. A Policy's capabilities are its components', as their
+interfaces declare them (``base``); it refuses a component that does not subclass its interface.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 
-from .base import Allocator, LayerInputs, Scorer, Selection, Selector
-from .planner import layer_floors, plan_requests
+from . import planner
+from .base import Allocator, Component, LayerInputs, Scorer, Selection, Selector
 
 
 @dataclass
@@ -36,59 +36,54 @@ class Policy:
     # Scores the allocator sees (None: the scorer's). Lets allocation and ranking use different signals.
     alloc_scorer: Scorer | None = None
 
+    def __post_init__(self):
+        for role, part, kind in (("scorer", self.scorer, Scorer), ("allocator", self.allocator, Allocator),
+                                 ("selector", self.selector, Selector), ("alloc_scorer", self.alloc_scorer, Scorer)):
+            if not isinstance(part, kind) and not (role == "alloc_scorer" and part is None):
+                raise TypeError(f"policy {self.name!r}: {role} {type(part).__name__} does not subclass "
+                                f"vllm_contour.policies.base.{kind.__name__} (the interface that declares what a "
+                                f"{kind.__name__.lower()} needs and can do)")
+
+    @property
+    def components(self) -> list[Component]:
+        """Scorer, allocation scorer (when there is one), allocator, selector."""
+        parts = (self.scorer, self.alloc_scorer, self.allocator, self.selector)
+        return [p for p in parts if p is not None]
+
     @property
     def needs_queries(self) -> bool:
         """True when any component needs the captured window queries."""
-        parts = (self.scorer, self.alloc_scorer, self.selector)
-        return any(bool(getattr(p, "needs_queries", False)) for p in parts if p is not None)
+        return any(p.needs_queries for p in self.components)
 
     @property
     def needs_values(self) -> bool:
         """True when any component reads ``LayerInputs.values`` (else the caller may hand an empty tensor)."""
-        parts = (self.scorer, self.alloc_scorer, self.allocator, self.selector)
-        return any(bool(getattr(p, "needs_values", False)) for p in parts if p is not None)
+        return any(p.needs_values for p in self.components)
 
     @property
     def needs_reconstruction(self) -> bool:
-        """True when a component scores with the engine's context reconstruction (KVzip): the engine runs it
+        """True when a scorer scores with the engine's context reconstruction (KVzip): the engine runs it
         at the context boundary and hands its scores in ``LayerInputs.reconstruction``."""
-        parts = (self.scorer, self.alloc_scorer)
-        return any(bool(getattr(p, "needs_reconstruction", False)) for p in parts if p is not None)
+        return any(s.needs_reconstruction for s in (self.scorer, self.alloc_scorer) if s is not None)
 
     @property
     def accumulates(self) -> bool:
         """True when the ranking scorer carries its scores into the next round (H2O)."""
-        return bool(getattr(self.scorer, "accumulates", False))
+        return self.scorer.accumulates
 
     def forced_mask(self, inp: LayerInputs) -> torch.Tensor:
-        """``[H, region_len]`` bool: sinks (positions below ``sink_tokens``) and the recency window (the last
-        ``recent_window`` positions before the context end) among the region's candidates. Every head
-        keeps them."""
-        r = inp.region_len
-        pos = inp.key_positions()
-        real = pos[pos < _past()]
-        end = min(inp.context_end, int(real.max()) + 1) if real.numel() else 0
-        pos = pos[:, :r]
-        mask = (pos < self.sink_tokens) | ((pos >= end - self.recent_window) & (pos < end))
-        return mask & inp.candidate_mask() if inp.is_ragged else mask
+        """``[H, region_len]`` bool: the tokens every head keeps (``planner.forced_mask``)."""
+        return planner.forced_mask(inp, self.sink_tokens, self.recent_window)
 
     def floor_pages(self, inp: LayerInputs) -> int:
         """Pages every head needs to hold its forced tokens (at least one)."""
-        return layer_floors(self.forced_mask(inp), inp, 1)[0]
+        return planner.layer_floors(self.forced_mask(inp), inp, 1)[0]
 
     def layer_total_pages(self, base_total: int, inp: LayerInputs, floor: int | None = None) -> int:
-        """The layer's page budget; allocators with a layer schedule (PyramidKV) override it. A schedule
-        that accepts ``min_total``/``max_total`` is told the heads' floors and the most the layer may
-        hold (the base, or less when the candidates hold less)."""
-        fn = getattr(self.allocator, "layer_total_pages", None)
-        if fn is None:
-            return base_total
-        params = inspect.signature(fn).parameters
-        if "min_total" in params and "max_total" in params:
-            floor = self.floor_pages(inp) if floor is None else floor
-            cap = min(base_total, int(inp.head_caps().sum()))
-            return int(fn(base_total, inp, min_total=floor * inp.num_kv_heads, max_total=cap))
-        return int(fn(base_total, inp))
+        """The layer's page budget after the allocator's layer schedule (PyramidKV; the base without one),
+        within the heads' floors (``floor`` pages each: ``floor_pages`` when None) and what they can hold."""
+        floor = self.floor_pages(inp) if floor is None else floor
+        return planner.layer_totals(self.allocator, [base_total], inp, inp.num_kv_heads, [floor])[0]
 
     def plan_layer(self, inp: LayerInputs, total_pages: int) -> Selection:
         """One layer whose heads share the candidates ``[0, region_len)``."""
@@ -110,15 +105,9 @@ class Policy:
                       heads_per_layer: int) -> list[list[Selection]]:
         """``plan_rows`` of several requests at once (``planner.plan_requests``): each keeps what it keeps
         planned alone."""
-        return plan_requests(self, inputs, totals, heads_per_layer)
-
-
-
-
-def _past() -> int:
-    from .base import _PAST
-
-    return _PAST
+        return planner.plan_requests(inputs, totals, heads_per_layer, scorer=self.scorer, allocator=self.allocator,
+                                     selector=self.selector, alloc_scorer=self.alloc_scorer,
+                                     sink_tokens=self.sink_tokens, recent_window=self.recent_window)
 
 
 def fold_heads(heads: list[LayerInputs]) -> LayerInputs:

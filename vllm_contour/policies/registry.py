@@ -123,10 +123,11 @@ def _roles(p: Preset) -> dict[str, type]:
 
 
 def _fields(cls: type) -> dict[str, Any]:
-    """Settable scalar knobs of a component: name -> default."""
+    """Settable scalar knobs of a component: name -> default (its declared capabilities are class-level, not
+    fields, so never knobs)."""
     out = {}
     for f in dataclasses.fields(cls):
-        if f.name == "needs_queries" or f.name == "accumulates" or not f.init:
+        if not f.init:
             continue
         default = f.default if f.default is not dataclasses.MISSING else None
         if isinstance(default, _SCALARS):

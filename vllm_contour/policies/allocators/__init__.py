@@ -1,8 +1,9 @@
 """Allocators: split a layer's head-page budget between its KV heads. One file per method.
 
 Every allocator returns ``[H]`` int64 pages with ``floor <= pages[h] <= region_pages`` and
-``sum(pages) == min(total, H * region_pages)`` (never below ``H * floor``). An allocator may also define
-``layer_total_pages(base_total, inp)`` (a layer schedule, e.g. PyramidKV).
+``sum(pages) == min(total, H * region_pages)`` (never below ``H * floor``). Each subclasses ``base.Allocator``,
+which declares the optional parts with defaults: a layer schedule (``layer_total_pages``: PyramidKV) and
+``candidates_only`` (a split that ignores the scores: ``allocate_groups`` splits many layers at once).
 """
 
 from .adakv import AdaKVAllocator

@@ -7,12 +7,12 @@ from typing import ClassVar
 
 import torch
 
-from ..base import LayerBudget, LayerInputs
+from ..base import Allocator, LayerBudget, LayerInputs
 from .common import clamp_total, distribute_pages
 
 
 @dataclass
-class AdaKVAllocator:
+class AdaKVAllocator(Allocator):
     """Head-adaptive allocation within a layer (Feng et al., "Ada-KV: Optimizing KV Cache Eviction by
     Adaptive Budget Allocation for Efficient LLM Inference", 2024).
 
@@ -30,8 +30,7 @@ class AdaKVAllocator:
         total, floor = clamp_total(budget, caps)
         s = scores.to(torch.float32)
         s = torch.nan_to_num(s, nan=0.0, posinf=0.0, neginf=0.0).clamp_min(0)
-        if inp.is_ragged:  # padding past a head's candidates carries no mass
-            s = torch.where(inp.candidate_mask(), s, torch.zeros_like(s))
+        s = torch.where(inp.candidate_mask(), s, torch.zeros_like(s))  # padding past a head's candidates: no mass
         norm = s / s.sum(dim=1, keepdim=True).clamp_min(1e-30) if self.normalise else s
         extra_tokens = (total - floor * h) * bs
         if extra_tokens <= 0:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import LayerBudget, LayerInputs
+from ..base import Allocator, LayerBudget, LayerInputs
 from .common import clamp_total, distribute_pages
 
 
@@ -60,14 +60,13 @@ def dropped_mass(scores: torch.Tensor, pages: torch.Tensor, inp: LayerInputs,
                  forced: torch.Tensor | None = None, power: float = 1.0) -> torch.Tensor:
     """``[H]`` fraction of each head's (normalised) score mass that top-k selection with ``pages[h]``
     pages drops: ``1 - M_h(pages[h])``. At the uniform budget this is ContourKV's m̄_h."""
-    curve = mass_curve(score_mass(scores, power, inp.candidate_mask() if inp.is_ragged else None), forced,
-                       inp.page_size, inp.head_caps())
+    curve = mass_curve(score_mass(scores, power, inp.candidate_mask()), forced, inp.page_size, inp.head_caps())
     p = pages.to(torch.int64).clamp(0, curve.shape[1] - 1).view(-1, 1)
     return 1.0 - curve.gather(1, p).squeeze(1)
 
 
 @dataclass
-class ContourAllocator:
+class ContourAllocator(Allocator):
     """ContourKV ("Trust the Mass") head allocation. The paper's exact rule is not public; this is the
     rule implemented here, with the reasoning.
 
@@ -111,8 +110,7 @@ class ContourAllocator:
         extra = total - floor * h
         if extra <= 0:
             return pages
-        valid = inp.candidate_mask() if inp.is_ragged else None
-        curve = mass_curve(score_mass(scores, self.power, valid), budget.forced, inp.page_size, caps)
+        curve = mass_curve(score_mass(scores, self.power, inp.candidate_mask()), budget.forced, inp.page_size, caps)
         gains = curve[:, floor + 1:] - curve[:, floor:-1]  # [H, rp - floor], non-increasing per row
         c = torch.arange(floor + 1, curve.shape[1]).view(1, -1)
         gains = gains.masked_fill(c > caps.view(-1, 1), -float("inf"))  # no page past a head's candidates

@@ -49,13 +49,13 @@ def pyramid_schedule(base_total: int, num_layers: int, beta: float, min_total: i
 
 
 @dataclass
-class PyramidAllocator:
+class PyramidAllocator(Allocator):
     """PyramidKV (Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information
     Funneling", 2024): lower layers attend broadly and get more cache, upper layers attend to few tokens
     and get less. Layer l's page total follows ``pyramid_schedule`` (arithmetic; ``beta`` >= 1 sets the
     slope: top layer = bottom / (2 beta - 1); beta = 1 is flat; PyramidKV's code uses 20). Implemented
-    through ``layer_total_pages``, which ``Policy.plan_layer`` calls before allocating; inside the layer
-    the pages are split by ``inner`` (uniform by default, as in PyramidKV).
+    through ``layer_total_pages`` (``base.Allocator``'s layer schedule), which the planner calls before
+    allocating; inside the layer the pages are split by ``inner`` (uniform by default, as in PyramidKV).
 
     Where this differs from the paper: the paper's schedule has the budget as its MEAN over layers. In
     vLLM's paged pool a block holds every layer, so the bytes a request holds are set by its LARGEST
@@ -67,13 +67,25 @@ class PyramidAllocator:
     beta: float = 20.0
     inner: Allocator = field(default_factory=UniformAllocator)
 
-    def layer_total_pages(self, base_total: int, inp: LayerInputs, min_total: int = 0,
-                          max_total: int | None = None) -> int:
+    def __post_init__(self):
+        if not isinstance(self.inner, Allocator):
+            raise TypeError(f"pyramid inner {type(self.inner).__name__} does not subclass policies.base.Allocator")
+
+    @property
+    def needs_queries(self) -> bool:
+        return self.inner.needs_queries
+
+    @property
+    def needs_values(self) -> bool:
+        return self.inner.needs_values
+
+    def layer_total_pages(self, base_total: int, layer_idx: int, num_layers: int, min_total: int,
+                          max_total: int) -> int:
         if self.beta < 1.0:
             raise ValueError(f"pyramid beta must be >= 1 (1 = flat), got {self.beta}")
-        cap = base_total if max_total is None else min(base_total, max_total)
-        n = max(1, int(inp.num_layers))
-        layer = min(max(inp.layer_idx, 0), n - 1)
+        cap = min(base_total, max_total)
+        n = max(1, int(num_layers))
+        layer = min(max(layer_idx, 0), n - 1)
         # the schedule's shape (PyramidKV's: arithmetic from 2 - 1/beta down to 1/beta), scaled so that
         # its largest layer is the base; layers below the heads' floors are lifted to them, layers above
         # what the candidates hold keep them all

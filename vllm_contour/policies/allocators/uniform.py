@@ -3,24 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from ..base import LayerBudget, LayerInputs
+from ..base import Allocator, LayerBudget, LayerInputs
 from .common import clamp_total, distribute_pages
 
 
 @dataclass
-class UniformAllocator:
+class UniformAllocator(Allocator):
     """Same number of pages for every head (remainder to the lowest head indices)."""
+
+    candidates_only: ClassVar[bool] = True
 
     def allocate(self, scores: torch.Tensor, inp: LayerInputs, budget: LayerBudget) -> torch.Tensor:
         caps = inp.head_caps()
         total, floor = clamp_total(budget, caps)
         return distribute_pages(torch.ones(inp.num_kv_heads), total, floor, caps)
 
-    @staticmethod
-    def allocate_groups(caps: torch.Tensor, totals: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
+    def allocate_groups(self, caps: torch.Tensor, totals: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
         """``allocate`` of many layers at once: group g (``caps[g]``: its heads' candidate pages, ``[G, H]``)
         keeps ``totals[g]`` pages with ``floors[g]`` per head; -> ``[G, H]``, exactly ``allocate``'s split
         (``distribute_pages`` with equal weights, its float arithmetic included)."""

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import LayerInputs
+from ..base import LayerInputs, Scorer
 from .common import gqa_groups, gqa_mean, window_queries
 
 
 @dataclass
-class ExpectedAttentionScorer:
+class ExpectedAttentionScorer(Scorer):
     """Expected Attention (Devoto et al., "Expected Attention: KV Cache Compression by Estimating
     Attention from Future Queries Distribution", 2025; kvpress ``ExpectedAttentionPress``).
 
@@ -38,7 +38,6 @@ class ExpectedAttentionScorer:
     use_covariance: bool = True
     use_vnorm: bool = True
     epsilon: float = 0.0
-    needs_queries: bool = False
 
     @property
     def needs_values(self) -> bool:
@@ -65,9 +64,7 @@ class ExpectedAttentionScorer:
         logit = torch.einsum("srd,sd->sr", cand, mu) * s
         if self.use_covariance:
             logit = logit + 0.5 * s * s * (torch.matmul(cand, cov) * cand).sum(-1)
-        in_ctx = inp.context_mask()[:, :r]
-        if inp.is_ragged:
-            in_ctx = in_ctx & inp.candidate_mask()
+        in_ctx = inp.context_mask()[:, :r] & inp.candidate_mask()
         if not bool(in_ctx.any()):
             in_ctx = torch.ones_like(in_ctx)
         in_ctx = in_ctx.repeat_interleave(g, dim=0)

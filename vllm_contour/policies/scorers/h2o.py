@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from ..base import LayerInputs
+from ..base import LayerInputs, Scorer
 from .common import window_mass
 
 
 @dataclass
-class H2OScorer:
+class H2OScorer(Scorer):
     """H2O (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language
     Models", NeurIPS 2023): a token's score is the attention mass accumulated over the queries that have
     looked at it ("heavy hitters"). H2O accumulates over every query seen so far; the engine only
@@ -22,8 +23,8 @@ class H2OScorer:
     over steps. This is also the "top-mass" signal of ContourKV: top-k of these scores keeps the most
     window-attention mass."""
 
-    needs_queries: bool = True
-    accumulates: bool = True
+    needs_queries: ClassVar[bool] = True
+    accumulates: ClassVar[bool] = True
 
     def score(self, inp: LayerInputs) -> torch.Tensor:
         mass = window_mass(inp)

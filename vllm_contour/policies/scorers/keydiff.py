@@ -7,18 +7,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..base import LayerInputs
+from ..base import LayerInputs, Scorer
 
 
 @dataclass
-class KeyDiffScorer:
+class KeyDiffScorer(Scorer):
     """KeyDiff (Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM
     Inference in Resource-Constrained Environments", 2025). Query-agnostic: per KV head the anchor is
     the mean of the L2-normalised keys of the scoring context ``[0, context_end)`` (never the question),
     and a token's score is minus the cosine similarity of its key to the anchor, so keys that are
     dissimilar to the average direction are kept (as kvpress's KeyDiffPress)."""
 
-    needs_queries: bool = False
 
     def score(self, inp: LayerInputs) -> torch.Tensor:
         ctx = inp.context_mask()

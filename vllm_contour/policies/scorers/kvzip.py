@@ -7,11 +7,11 @@ from typing import ClassVar
 
 import torch
 
-from ..base import LayerInputs
+from ..base import LayerInputs, Scorer
 
 
 @dataclass
-class KVzipScorer:
+class KVzipScorer(Scorer):
     """KVzip (Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", NeurIPS
     2025): a context key's score is the largest attention the model pays it while repeating the context
     ("Repeat the previous context exactly." + the chat template's suffix + the context, in chunks), the max
@@ -19,7 +19,6 @@ class KVzipScorer:
     the reconstruction once per context, before any question (``integration/reconstruction.py``), and hands
     the scores in ``LayerInputs.reconstruction``; nothing is computed at round time."""
 
-    needs_queries: bool = False
     needs_reconstruction: ClassVar[bool] = True
 
     def score(self, inp: LayerInputs) -> torch.Tensor:

@@ -13,7 +13,7 @@ from .h2o import H2OScorer
 
 
 @dataclass
-class MomentScorer:
+class MomentScorer(Scorer):
     """MomentKV scorer (this project; the decode-time correction is in ``vllm_contour/moments.py``).
 
     Evicted tokens are not lost entirely: their first two moments (n, sum k, sum v, sum v k^T) feed a
@@ -43,18 +43,24 @@ class MomentScorer:
     iterate: bool = True
     needs_values: ClassVar[bool] = True
 
+    def __post_init__(self):
+        if not isinstance(self.weight, Scorer):
+            raise TypeError(f"moment weight {type(self.weight).__name__} does not subclass policies.base.Scorer")
+
     @property
     def needs_queries(self) -> bool:
-        return bool(getattr(self.weight, "needs_queries", False))
+        return self.weight.needs_queries
+
+    @property
+    def needs_reconstruction(self) -> bool:
+        return self.weight.needs_reconstruction
 
     def score(self, inp: LayerInputs) -> torch.Tensor:
         h, r = inp.num_kv_heads, inp.region_len
         w = self.weight.score(inp).to(torch.float32).nan_to_num(0.0, 0.0, 0.0).clamp_min(0.0)
         keys = inp.keys[:, :r]
         values = inp.values[:, :r]
-        mask = inp.context_mask()[:, :r]
-        if inp.is_ragged:
-            mask = mask & inp.candidate_mask()
+        mask = inp.context_mask()[:, :r] & inp.candidate_mask()
         score = w * residual_norms(keys, values, accumulate(keys, values, mask), inp.scale)
         per_head = inp.head_budget_pages() if self.iterate else None
         if per_head is not None:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from ..base import LayerInputs
+from ..base import LayerInputs, Scorer
 from .common import gqa_mean, window_attention, window_queries
 
 
 @dataclass
-class TOVAScorer:
+class TOVAScorer(Scorer):
     """TOVA (Oren et al., "Transformers are Multi-State RNNs", 2024): a token's score is the attention
     the LAST query pays to it (the query at the highest absolute position inside the scoring context;
     in query-agnostic mode that is the last context token, not a question token), averaged over the
@@ -20,7 +21,7 @@ class TOVAScorer:
     prompt. If no captured query lies inside the context, every score is 0 (only the forced tokens and
     the lowest indices survive, deterministically)."""
 
-    needs_queries: bool = True
+    needs_queries: ClassVar[bool] = True
 
     def score(self, inp: LayerInputs) -> torch.Tensor:
         attn = window_attention(inp)  # [Hq, W, T]

@@ -7,13 +7,13 @@ from typing import ClassVar
 
 import torch
 
-from ..base import LayerInputs
+from ..base import LayerInputs, Selector
 from ..scorers.common import gqa_groups, window_attention
 from .topk import TopKSelector
 
 
 @dataclass
-class BalancingSelector:
+class BalancingSelector(Selector):
     """Top-mass + greedy output-balancing swaps (ContourKV's analysis tool: how far is top-mass from
     the kept set that best preserves the attention output on the observed queries?).
 
@@ -32,7 +32,7 @@ class BalancingSelector:
 
     max_swaps: int = 64
     pool: int = 16
-    needs_queries: bool = True
+    needs_queries: ClassVar[bool] = True
     needs_values: ClassVar[bool] = True
 
     def select(self, scores: torch.Tensor, pages: torch.Tensor, inp: LayerInputs) -> list[torch.Tensor]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..base import LayerInputs
+from ..base import LayerInputs, Selector
 from .common import topk_indices
 from .topk import TopKSelector
 
@@ -31,7 +31,7 @@ def normalise_scores(scores: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class DiversitySelector:
+class DiversitySelector(Selector):
     """Greedy diversity-aware selection (maximal marginal relevance, Carbonell & Goldstein, SIGIR 1998,
     applied to KV tokens; this project's ContourKV variant).
 
@@ -74,7 +74,7 @@ class DiversitySelector:
             sig = F.normalize(vals, p=2, dim=-1)
         else:  # [R, D], shared by the heads
             sig = F.normalize(vals.mean(dim=0), p=2, dim=-1).unsqueeze(0).expand(h, -1, -1)
-        valid = inp.candidate_mask() if inp.is_ragged else torch.ones(h, r, dtype=torch.bool)
+        valid = inp.candidate_mask()
         norm = normalise_scores(scores)
         forced = torch.isposinf(norm)
         kept = torch.zeros(h, r, dtype=torch.bool)

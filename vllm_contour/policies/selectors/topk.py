@@ -7,15 +7,15 @@ from typing import ClassVar
 
 import torch
 
-from ..base import LayerInputs
+from ..base import LayerInputs, Selector
 
 
 @dataclass
-class TopKSelector:
+class TopKSelector(Selector):
     """Plain top-k per head (ties to the lower token index): ``common.topk_indices`` of every row, as one sort
     of all rows."""
 
-    rowwise: ClassVar[bool] = True  # each row on its own: the rows of several layers may be selected at once
+    rowwise: ClassVar[bool] = True
 
     def select(self, scores: torch.Tensor, pages: torch.Tensor, inp: LayerInputs) -> list[torch.Tensor]:
         k = pages.to(torch.int64).view(-1, 1) * inp.page_size
