@@ -189,6 +189,28 @@ def test_the_recording_covers_every_preset_and_kind_of_round():
     assert sum(map(len, kept)) > 0 and any(len(k) == 0 for k in kept)  # an empty region's request is in
 
 
+@pytest.mark.parametrize("lam", [0.5, 10.0])
+def test_a_decode_round_with_the_diversity_penalty_keeps_every_forced_token(lam):
+    """Decode-time (ragged) rounds rank forced tokens (sinks, recent window) at +inf for every selector: the
+    diversity penalty (which normalises scores and skips forced tokens) keeps them whatever its lambda, and
+    its lambda changes what else it keeps. (Forced tokens were ranked at the largest finite float, so the
+    penalty saw them as ordinary tokens, dropped some at a large lambda and flattened every other score.)"""
+    g = torch.Generator().manual_seed(7)
+    inp = _decode_round(g, e_old=6, n_tail=2, n_part=3, prior=False)
+    totals = [H * 4] * L
+    plans = {}
+    for x in (lam, 0.0):
+        pol = build_policy("contour_diverse", {"selector.lam": x}, sink_tokens=SINKS, recent_window=RECENT)
+        forced = pol.forced_mask(inp)
+        sel = pol.plan_rows(inp, totals, H)
+        rows = [k for layer in sel for k in layer.kept]
+        for r, kept in enumerate(rows):
+            want = forced[r].nonzero().squeeze(1)
+            assert bool(torch.isin(want, kept).all()), (x, r, want.tolist(), kept.tolist())
+        plans[x] = [k.tolist() for k in rows]
+    assert lam < 1 or plans[lam] != plans[0.0]  # a large penalty changes the selection
+
+
 def _write() -> None:
     FIXTURE.parent.mkdir(parents=True, exist_ok=True)
     plans = _plans()

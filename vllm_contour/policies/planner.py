@@ -169,7 +169,7 @@ def _ranked(scores: torch.Tensor, forced: torch.Tensor, inp: LayerInputs) -> tor
     ranked = scores.masked_fill(forced, float("inf"))
     if inp.is_ragged:
         finite_min = torch.finfo(ranked.dtype).min
-        ranked = torch.where(inp.candidate_mask(), ranked.nan_to_num(nan=finite_min, neginf=finite_min),
+        ranked = torch.where(inp.candidate_mask(), ranked.nan_to_num(nan=finite_min, posinf=float("inf"), neginf=finite_min),
                              torch.full_like(ranked, -float("inf")))
     return ranked
 
