@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 
 def register() -> None:
-    """vLLM general-plugin entry point (see ``vllm_contour.integration.plugin``)."""
-    from vllm_contour.integration.plugin import register as _register
+    """vLLM general-plugin entry point (see ``vllm_contour.integration.frontend.plugin``)."""
+    from vllm_contour.integration.frontend.plugin import register as _register
 
     _register()

@@ -1,4 +1,4 @@
-from vllm_contour.cli import main
+from vllm_contour.integration.frontend.cli import main
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,7 @@
 CLI flag, per-request key (``vllm_xargs`` / ``SamplingParams.extra_args``), kind, default, minimum and help.
 
 Generated from this table: ``EvictionConfig`` / ``RequestEviction`` (``config.py``: fields, defaults,
-validation), the ``--kv-*`` flags and ``--help=KVEviction`` (``integration/engine_args.py``) and the README's
+validation), the ``--kv-*`` flags and ``--help=KVEviction`` (``integration/frontend/engine_args.py``) and the README's
 configuration table (:func:`readme_table`; a test keeps the README equal to it). Pure python: no vLLM import.
 """
 

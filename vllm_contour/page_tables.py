@@ -5,7 +5,7 @@ pages) followed by its dense tail: the request's own blocks from ``E`` on, which
 lists. So the only per-request state the kernels need changes when a round runs (or a request adopts a
 shared context): ``PageTables`` keeps it in one slot per request, as tensors on the cache's device. Each
 step, ``PageTables.step`` finds which batch rows are compacted requests (by the block that receives the
-row's first new token, the key the scheduler sends; see ``integration/state.py``) and which tokens fall in
+row's first new token, the key the scheduler sends; see ``integration/messages.py``) and which tokens fall in
 an observation window to capture, with tensor ops only: no ``.tolist()`` of batch tensors, no loop over
 rows or tokens, nothing that waits for the device. The Triton kernel reads the two-part lists directly;
 CPU kernels take per-token tables, which ``StepRows.tables`` expands once per step.

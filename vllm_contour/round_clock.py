@@ -1,7 +1,7 @@
 """The round clock: when a request's next eviction round is due, where a prefill chunk must stop (the
 context boundary ``kv_context_len``), which queries a query-aware round scores, and how much of a
 prefix-cache hit a request may use. Pure functions of where a request stands (:class:`ClockState`), no vLLM
-import: the scheduler side (``integration/scheduler_side.py``) asks them every step and
+import: the scheduler side (``integration/scheduler/side.py``) asks them every step and
 ``benchmarks/perplexity.py`` simulates decode-time rounds with the same ones.
 
 With ``N`` the budget, ``T`` the decode interval, ``bs`` the block size and ``E`` the first block of the dense

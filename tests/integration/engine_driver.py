@@ -1185,7 +1185,7 @@ def run_kvzip(llm, spec, res):
     from vllm import SamplingParams
 
     from vllm_contour.integration.worker import rounds as worker_rounds
-    from vllm_contour.reconstruction import RepeatPrompt
+    from vllm_contour.integration.reconstruction.prompt import RepeatPrompt
 
     tok = llm.get_tokenizer()
     rp = RepeatPrompt.from_tokenizer(tok)
@@ -1271,7 +1271,7 @@ def run_kvzip_reuse(llm, spec, res):
     from vllm import SamplingParams
 
     from vllm_contour.integration.worker import rounds as worker_rounds
-    from vllm_contour.reconstruction import RepeatPrompt
+    from vllm_contour.integration.reconstruction.prompt import RepeatPrompt
 
     tok = llm.get_tokenizer()
     rp = RepeatPrompt.from_tokenizer(tok)

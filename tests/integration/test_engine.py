@@ -638,7 +638,7 @@ def test_kvzip_reconstructs_the_context_inside_the_engine(prefix_cached, model_d
     import torch
 
     from benchmarks.perplexity import capture_context, forward_masked, load_model
-    from vllm_contour.reconstruction import RepeatPrompt, chunks
+    from vllm_contour.integration.reconstruction.prompt import RepeatPrompt, chunks
 
     kz = prefix_cached["kvzip"]
     ctx, q1 = kz["context"], kz["question"]
@@ -698,7 +698,7 @@ def test_kvzip_reconstructs_a_streaming_sessions_next_chunk(prefix_cached, model
     from transformers import AutoTokenizer
 
     from benchmarks.perplexity import load_model
-    from vllm_contour.reconstruction import RepeatPrompt, chunks
+    from vllm_contour.integration.reconstruction.prompt import RepeatPrompt, chunks
 
     ks = prefix_cached["kvzip_stream"]
     (b0, b1) = ks["counters"]

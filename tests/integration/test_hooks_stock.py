@@ -52,10 +52,10 @@ def drive(model_dir: str, out_path: str, change: bool) -> None:
     out = llm.generate([{"prompt_token_ids": PROMPT}],
                        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args=EXTRA), use_tqdm=False)
     res = {"tokens": list(out[0].outputs[0].token_ids),
-           "manager_imported": "vllm_contour.integration.manager" in sys.modules}
+           "manager_imported": "vllm_contour.integration.scheduler.manager" in sys.modules}
     if "vllm_contour.integration.vllm_hooks" in sys.modules:
         from vllm_contour.integration import vllm_hooks
-        from vllm_contour.integration.engine_args import prepare_engine_args
+        from vllm_contour.integration.frontend.engine_args import prepare_engine_args
 
         res["not_installed"] = dict(vllm_hooks.NOT_INSTALLED)
         try:

@@ -6,7 +6,7 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def _restore_active_server_config():
-    from vllm_contour.integration import engine_args
+    from vllm_contour.integration.frontend import engine_args
 
     saved = engine_args.ACTIVE_CONFIG, engine_args.ACTIVE_SHAPE
     yield

@@ -16,7 +16,7 @@ def test_start_up_config_and_group_spec_give_the_same_shape(dtype):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
     from vllm_contour.integration.connector import eviction_group
-    from vllm_contour.integration.engine_args import cache_shape_of
+    from vllm_contour.integration.frontend.engine_args import cache_shape_of
 
     want = CacheShape(block_size=16, num_kv_heads=3, head_dim=64, elem_size=torch.empty((), dtype=dtype).element_size())
     assert CacheShape.of(block_size=16, num_kv_heads=3, head_dim=64, dtype=dtype) == want

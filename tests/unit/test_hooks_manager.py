@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from vllm_contour.config import EvictionConfigError
-from vllm_contour.integration import manager, vllm_hooks
+from vllm_contour.integration.scheduler import manager
+from vllm_contour.integration import vllm_hooks
 
 BS = 16
 

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_contour.config import EvictionConfigError
-from vllm_contour.integration import plugin, vllm_hooks
+from vllm_contour.integration.frontend import plugin
+from vllm_contour.integration import vllm_hooks
 
 
 @pytest.fixture
@@ -106,7 +107,7 @@ def test_the_backend_is_registered_only_when_its_module_and_rows_hold(monkeypatc
     import vllm.distributed.kv_transfer as kvt
     from vllm.v1.attention.backends import registry
 
-    from vllm_contour.integration import platforms
+    from vllm_contour.integration.frontend import platforms
 
     calls = []
     monkeypatch.setattr(registry, "register_backend", lambda enum, path: calls.append((enum.name, path)))
@@ -126,7 +127,7 @@ def test_the_request_wrapper_passes_vllms_arguments_and_never_fails_a_request_it
     from vllm.exceptions import VLLMValidationError
 
     from vllm_contour.config import EvictionConfig
-    from vllm_contour.integration import engine_args
+    from vllm_contour.integration.frontend import engine_args
 
     calls = []
     wrapper = None

@@ -34,7 +34,7 @@ def _outcome(fn, *a) -> str:
 
 
 def _kv_actions() -> list[argparse.Action]:
-    from vllm_contour.integration.engine_args import add_eviction_args
+    from vllm_contour.integration.frontend.engine_args import add_eviction_args
 
     parser = add_eviction_args(argparse.ArgumentParser())
     return [a for a in parser._actions if a.dest.startswith("kv_")]
@@ -42,7 +42,7 @@ def _kv_actions() -> list[argparse.Action]:
 
 def observe() -> dict:
     """What a user sees of the knobs, through the public entry points only."""
-    from vllm_contour.integration.engine_args import fold_cli_args
+    from vllm_contour.integration.frontend.engine_args import fold_cli_args
 
     out: dict = {"flags": {}, "server": {}, "request": {}, "cli": {}}
     for a in sorted(_kv_actions(), key=lambda a: a.dest):

@@ -10,7 +10,7 @@ from vllm_contour.policies import LayerInputs, build_policy
 from vllm_contour.policies.allocators import KVzipAllocator
 from vllm_contour.policies.base import LayerBudget
 from vllm_contour.policies.scorers.kvzip import reconstruction_max
-from vllm_contour.reconstruction import RepeatPrompt, chunks
+from vllm_contour.integration.reconstruction.prompt import RepeatPrompt, chunks
 
 RP = RepeatPrompt(prefix=(1, 2, 3), first=(90, 91), later=(80, 81), suffix=(70,))
 
@@ -110,7 +110,7 @@ def test_hidden_requests_fit_max_model_len_or_the_reconstruction_is_refused_nami
 
     import pytest
 
-    from vllm_contour.integration.reconstruction import MIN_CHUNK, Reconstructions
+    from vllm_contour.integration.reconstruction.scheduler import MIN_CHUNK, Reconstructions
 
     ids = list(range(1000, 3000))
     owner = SimpleNamespace(request_id="o", all_token_ids=ids, client_index=0, lora_request=None, cache_salt=None,
@@ -141,7 +141,7 @@ def test_kept_scores_are_found_by_the_context_and_bounded():
     ``KEPT_SCORES`` the least recently used key is named for the workers to drop; reset drops every key."""
     from types import SimpleNamespace
 
-    from vllm_contour.integration.reconstruction import KEPT_SCORES, Reconstructions, context_key
+    from vllm_contour.integration.reconstruction.scheduler import KEPT_SCORES, Reconstructions, context_key
 
     ids = list(range(100, 400))
     recon = Reconstructions(32, lambda: RP)
@@ -178,7 +178,7 @@ def test_the_worker_keeps_a_context_s_scores_and_gives_a_copy_to_a_later_request
     import torch
 
     from vllm_contour.integration.messages import RoundItem, ScoresRef
-    from vllm_contour.integration.worker.reconstruction import ContextScores
+    from vllm_contour.integration.reconstruction.worker import ContextScores
 
     cs = ContextScores()
     own = torch.rand(2, 3, 40)

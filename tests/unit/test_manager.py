@@ -14,7 +14,7 @@ def pool_and_manager():
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_contour.integration.manager import EvictingAttentionManager, evicting_spec
+    from vllm_contour.integration.scheduler.manager import EvictingAttentionManager, evicting_spec
 
     pool = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=32)
     spec = evicting_spec(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32))
@@ -99,7 +99,7 @@ def test_vllms_registry_picks_the_manager_for_the_plugins_spec_only():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-    from vllm_contour.integration import manager
+    from vllm_contour.integration.scheduler import manager
 
     manager.register()
     manager.register()  # idempotent (every process loads the plugin, some twice)
@@ -119,7 +119,7 @@ def test_the_backend_gives_full_attention_layers_the_plugins_spec_with_eviction_
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from vllm_contour.integration.backends.cpu import ContourCPUAttentionBackend
-    from vllm_contour.integration.manager import EvictingAttentionSpec
+    from vllm_contour.integration.scheduler.manager import EvictingAttentionSpec
 
     full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
     with set_current_vllm_config(VllmConfig(additional_config={"kv_eviction": {"policy": policy}})):
@@ -136,7 +136,7 @@ def test_outside_vllms_config_the_spec_follows_what_the_models_impls_recorded(po
 
     from vllm_contour.integration.backends import common
     from vllm_contour.integration.backends.cpu import ContourCPUAttentionBackend, ContourImpl
-    from vllm_contour.integration.manager import EvictingAttentionSpec
+    from vllm_contour.integration.scheduler.manager import EvictingAttentionSpec
 
     class VllmImpl:
         def __init__(self, *args, **kwargs):

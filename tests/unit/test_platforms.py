@@ -31,13 +31,13 @@ def _args(**kw):
 
 
 def _prepare(ea):
-    from vllm_contour.integration.engine_args import prepare_engine_args
+    from vllm_contour.integration.frontend.engine_args import prepare_engine_args
 
     return prepare_engine_args(ea)
 
 
 def test_cuda_wires_the_triton_backend_sync_scheduling_the_connector_and_the_scheduler(on_cuda):
-    from vllm_contour.integration.engine_args import CONNECTOR_NAME, SCHEDULER_CLS
+    from vllm_contour.integration.frontend.engine_args import CONNECTOR_NAME, SCHEDULER_CLS
 
     ea = _args()
     assert ea.async_scheduling is None  # vLLM would turn it on for CUDA
@@ -108,7 +108,7 @@ def test_each_platform_registers_its_backend_over_vllms():
 
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from vllm_contour.integration.platforms import PLATFORMS
+    from vllm_contour.integration.frontend.platforms import PLATFORMS
 
     for p in PLATFORMS.values():
         mod, cls = p.backend_cls.rsplit(".", 1)
@@ -134,7 +134,7 @@ def test_a_cache_dtype_equal_to_the_models_is_accepted(on_cuda, kv_dtype, model_
     import torch
     from types import SimpleNamespace
 
-    from vllm_contour.integration.engine_args import cache_shape_of
+    from vllm_contour.integration.frontend.engine_args import cache_shape_of
 
     if kv_dtype == "fp8":
         with pytest.raises(EvictionConfigError, match="--kv-cache-dtype fp8"):
@@ -155,7 +155,7 @@ def test_an_mla_model_is_refused_naming_it():
     from types import SimpleNamespace
 
     from vllm_contour.config import EvictionConfig
-    from vllm_contour.integration.engine_args import check_against_cache
+    from vllm_contour.integration.frontend.engine_args import check_against_cache
 
     cfg = SimpleNamespace(model_config=SimpleNamespace(use_mla=True, model="deepseek-ai/DeepSeek-V2-Lite"))
     with pytest.raises(EvictionConfigError, match="DeepSeek-V2-Lite.*multi-head latent attention"):

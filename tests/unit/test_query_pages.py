@@ -94,7 +94,7 @@ def _side(free: int):
 
     from vllm_contour.budget import CacheShape
     from vllm_contour.config import EvictionConfig
-    from vllm_contour.integration.scheduler_side import SchedulerSide
+    from vllm_contour.integration.scheduler.side import SchedulerSide
 
     side = SchedulerSide(EvictionConfig(policy="snapkv", budget=64, window=32), BS,
                          CacheShape(block_size=BS, num_kv_heads=H, head_dim=D, elem_size=4),
@@ -105,7 +105,7 @@ def _side(free: int):
 
 
 def test_a_window_computed_whole_in_one_step_takes_no_blocks():
-    from vllm_contour.integration.scheduler_records import Tracked
+    from vllm_contour.integration.scheduler.records import Tracked
 
     side, pool = _side(10)
     t = Tracked(SimpleNamespace(request_id="a", num_computed_tokens=0, num_tokens=200), None)
@@ -118,7 +118,7 @@ def test_a_window_computed_whole_in_one_step_takes_no_blocks():
 
 def test_the_scheduler_takes_the_window_blocks_once_and_gives_them_back_with_the_round():
     from vllm_contour.integration.messages import ContourReport, Noop
-    from vllm_contour.integration.scheduler_records import Tracked
+    from vllm_contour.integration.scheduler.records import Tracked
 
     side, pool = _side(10)
     t = Tracked(SimpleNamespace(request_id="a", num_computed_tokens=0, num_tokens=200, is_finished=lambda: False),
@@ -136,7 +136,7 @@ def test_the_scheduler_takes_the_window_blocks_once_and_gives_them_back_with_the
 
 
 def test_with_no_room_for_the_window_a_decode_time_round_is_put_off_by_a_window():
-    from vllm_contour.integration.scheduler_records import Tracked
+    from vllm_contour.integration.scheduler.records import Tracked
 
     side, pool = _side(2)  # the window needs 3
     t = Tracked(SimpleNamespace(request_id="a", num_computed_tokens=0, num_tokens=200), None)

@@ -140,7 +140,7 @@ def _request(num_tokens, **extra):
 def _side(policy):
     from vllm_contour.budget import CacheShape
     from vllm_contour.config import EvictionConfig
-    from vllm_contour.integration.scheduler_side import SchedulerSide
+    from vllm_contour.integration.scheduler.side import SchedulerSide
 
     shape = CacheShape(block_size=BS, num_kv_heads=2, head_dim=16, elem_size=4)
     return SchedulerSide(EvictionConfig(policy=policy, budget=128, window=32), BS, shape)

@@ -15,8 +15,8 @@ BS = 32
 def publisher():
     from vllm.v1.core.block_pool import BlockPool
 
-    from vllm_contour.integration.context_publisher import ContextPublisher
-    from vllm_contour.integration.shared_contexts import SharedContexts
+    from vllm_contour.integration.scheduler.contexts import ContextPublisher
+    from vllm_contour.integration.scheduler.shared_contexts import SharedContexts
 
     pool = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=BS)
     shared = SharedContexts(BS)
@@ -28,7 +28,7 @@ def publisher():
 
 def _tracked(context_len: int):
     from vllm_contour.config import EvictionConfig, resolve_request
-    from vllm_contour.integration.scheduler_records import Tracked
+    from vllm_contour.integration.scheduler.records import Tracked
 
     request = SimpleNamespace(request_id="r", block_hashes=[b"h0", b"h1", b"h2", b"h3"],
                               prompt_token_ids=list(range(200)), num_prompt_tokens=200, num_tokens=200)
@@ -95,12 +95,12 @@ def outcomes():
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_contour.integration.context_publisher import ContextPublisher
-    from vllm_contour.integration.manager import EvictingAttentionManager, evicting_spec
-    from vllm_contour.integration.request_blocks import RequestBlocks
-    from vllm_contour.integration.round_outcomes import RoundOutcomes
-    from vllm_contour.integration.scheduler_events import SchedulerEvents
-    from vllm_contour.integration.shared_contexts import SharedContexts
+    from vllm_contour.integration.scheduler.contexts import ContextPublisher
+    from vllm_contour.integration.scheduler.manager import EvictingAttentionManager, evicting_spec
+    from vllm_contour.integration.scheduler.blocks import RequestBlocks
+    from vllm_contour.integration.scheduler.outcomes import RoundOutcomes
+    from vllm_contour.integration.scheduler.events import SchedulerEvents
+    from vllm_contour.integration.scheduler.shared_contexts import SharedContexts
 
     pool = BlockPool(num_gpu_blocks=16, enable_caching=False, hash_block_size=BS)
     spec = evicting_spec(FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32))

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_contour.config import EvictionConfig, resolve_request
-from vllm_contour.integration.shared_contexts import SharedContexts
+from vllm_contour.integration.scheduler.shared_contexts import SharedContexts
 
 BS = 4
 

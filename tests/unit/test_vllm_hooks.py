@@ -72,7 +72,7 @@ def test_a_class_row_needs_its_fields_and_an_instance_attribute_its_init():
 def test_a_server_with_eviction_refuses_a_vllm_whose_hooks_changed(monkeypatch, fresh):
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_contour.integration.engine_args import prepare_engine_args
+    from vllm_contour.integration.frontend.engine_args import prepare_engine_args
 
     monkeypatch.setattr(vllm_hooks, "_problems", lambda hooks=None, version=None: {"x:Y.z": "x:Y.z: parameters ('a',)"})
     with pytest.raises(EvictionConfigError, match=r"--kv-eviction-policy.*vLLM 0\.32\.0.*x:Y\.z"):
@@ -357,7 +357,7 @@ def test_the_patch_detector_catches_every_kind_of_patch():
 
 # Not hooks into vLLM, each said why: the command hands its arguments to vLLM's main, which reads sys.argv;
 # the model fetcher (a tool, never loaded by the plugin) silences transformers' GGUF progress bar and restores it.
-NOT_HOOKS = {("cli.py", "sys.argv"), ("models.py", "gguf_utils.tqdm")}
+NOT_HOOKS = {("integration/frontend/cli.py", "sys.argv"), ("models.py", "gguf_utils.tqdm")}
 
 
 def test_no_patch_outside_the_table():

@@ -1,6 +1,6 @@
 """The KV connector vLLM loads: a thin adapter over the two rooms of eviction.
 
-Scheduler role -> ``scheduler_side.SchedulerSide`` (when a request's round runs, which blocks go back to the
+Scheduler role -> ``scheduler.side.SchedulerSide`` (when a request's round runs, which blocks go back to the
 pool, what each request holds); worker role -> ``worker.side.WorkerSide`` (one per worker process: the
 step's rows for the attention backend, the rounds after the forward, reports). The channel between them is
 vLLM's connector metadata (scheduler -> workers) and worker metadata (workers -> scheduler, merged across
@@ -26,7 +26,7 @@ from vllm_contour.budget import CacheShape
 from vllm_contour.config import EvictionConfig
 from vllm_contour.integration.metrics import ContourPromMetrics, ContourStats
 from vllm_contour.integration.messages import ContourMetadata, ContourReport
-from vllm_contour.integration.scheduler_side import SchedulerSide
+from vllm_contour.integration.scheduler.side import SchedulerSide
 from vllm_contour.integration.worker.side import WorkerSide
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def _repeat_prompt(model_config):
     """KVzip's reconstruction prompt in the model's tokenizer (made when a context is first reconstructed)."""
     from vllm.tokenizers import cached_tokenizer_from_config
 
-    from vllm_contour.reconstruction import RepeatPrompt
+    from vllm_contour.integration.reconstruction.prompt import RepeatPrompt
 
     return RepeatPrompt.from_tokenizer(cached_tokenizer_from_config(model_config))
 

@@ -77,7 +77,7 @@ class CaptureItem:
 @dataclass
 class ReconItem:
     """Scheduler -> worker: this step computes repeat tokens of a hidden request reconstructing its owner's
-    context (``integration/reconstruction.py``): fold their KVzip attention over the context keys ``span``
+    context (``integration/reconstruction/``): fold their KVzip attention over the context keys ``span``
     into the owner's scores (``[L, H, context_len]``)."""
 
     req_id: str  # the hidden request (its captured queries)

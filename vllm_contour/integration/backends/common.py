@@ -62,7 +62,7 @@ class ContourBackend:
         spec = super().customize_spec(spec)
         if not eviction_enabled():
             return spec
-        from vllm_contour.integration.manager import evicting_spec
+        from vllm_contour.integration.scheduler.manager import evicting_spec
 
         return evicting_spec(spec)
 

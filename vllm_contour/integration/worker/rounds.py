@@ -19,7 +19,7 @@ from vllm_contour import ops
 from vllm_contour.evictor import RoundPlan, RoundRequest, apply_rounds, clear_moment_pages, plan_rounds
 from vllm_contour.integration.messages import Noop, Outcome, PlanFailed, Recompute, Round, RoundItem
 from vllm_contour.integration.metrics import ContourStats
-from vllm_contour.integration.worker.reconstruction import ContextScores
+from vllm_contour.integration.reconstruction.worker import ContextScores
 from vllm_contour.integration.worker.requests import WorkerRequests
 from vllm_contour.ops.paged import dims
 from vllm_contour.policies import build_policy

@@ -23,7 +23,7 @@ from vllm_contour.budget import CacheShape
 from vllm_contour.config import EvictionConfig
 from vllm_contour.integration.messages import ContourMetadata, ContourReport, Outcome, Recompute
 from vllm_contour.integration.metrics import ContourStats
-from vllm_contour.integration.worker.reconstruction import ContextScores
+from vllm_contour.integration.reconstruction.worker import ContextScores
 from vllm_contour.integration.worker.requests import QueryWindow, WorkerRequests
 from vllm_contour.integration.worker.rounds import WorkerRounds, clear_unread
 from vllm_contour.integration.worker.step import ContourStep, WindowPlan

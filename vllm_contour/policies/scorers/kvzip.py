@@ -16,7 +16,7 @@ class KVzipScorer(Scorer):
     2025): a context key's score is the largest attention the model pays it while repeating the context
     ("Repeat the previous context exactly." + the chat template's suffix + the context, in chunks), the max
     over the repeat queries and the query heads of its GQA group (``reconstruction_max``). The engine runs
-    the reconstruction once per context, before any question (``integration/reconstruction.py``), and hands
+    the reconstruction once per context, before any question (``integration/reconstruction/``), and hands
     the scores in ``LayerInputs.reconstruction``; nothing is computed at round time."""
 
     needs_reconstruction: ClassVar[bool] = True

@@ -2,18 +2,18 @@
 queries to capture for its next round, and, when that round is due, the round for the workers with the
 private blocks it packs into when some of its blocks are shared (prefix caching) and the shared compressed
 context it publishes; for a policy that scores with the context's reconstruction (KVzip), the
-reconstruction first (``reconstruction.py``; the step's hidden requests, ``reconstruction_step``), the round
+reconstruction first (``reconstruction/scheduler.py``; the step's hidden requests, ``reconstruction_step``), the round
 when it completes, or at once with the scores the workers keep from an earlier request with the same context.
-The clock itself is ``round_clock.py``; the record it changes ``scheduler_records.py``."""
+The clock itself is ``round_clock.py``; the record it changes ``records.py``."""
 
 from __future__ import annotations
 
 from vllm_contour import round_clock
-from vllm_contour.integration.context_publisher import ContextPublisher
-from vllm_contour.integration.reconstruction import Reconstructions, context_key
-from vllm_contour.integration.request_blocks import RequestBlocks
-from vllm_contour.integration.scheduler_events import SchedulerEvents
-from vllm_contour.integration.scheduler_records import Tracked
+from vllm_contour.integration.scheduler.contexts import ContextPublisher
+from vllm_contour.integration.reconstruction.scheduler import Reconstructions, context_key
+from vllm_contour.integration.scheduler.blocks import RequestBlocks
+from vllm_contour.integration.scheduler.events import SchedulerEvents
+from vllm_contour.integration.scheduler.records import Tracked
 from vllm_contour.integration.messages import CaptureItem, ReconItem, RoundItem, ScoresRef
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllm_contour.integration.messages import Round
-from vllm_contour.integration.scheduler_records import Publishing, Tracked
-from vllm_contour.integration.shared_contexts import Entry, SharedContexts
+from vllm_contour.integration.scheduler.records import Publishing, Tracked
+from vllm_contour.integration.scheduler.shared_contexts import Entry, SharedContexts
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool

@@ -24,7 +24,7 @@ from vllm_contour.knobs import BY_FLAG_DEST, add_arguments
 
 CONNECTOR_NAME = "ContourKVConnector"
 CONNECTOR_MODULE = "vllm_contour.integration.connector"
-SCHEDULER_CLS = "vllm_contour.integration.scheduler.ContourScheduler"
+SCHEDULER_CLS = "vllm_contour.integration.scheduler.scheduler.ContourScheduler"
 DEFAULT_EVICTION_BLOCK_SIZE = 32
 
 # Server config seen in this process (API server / offline LLM); used to validate per-request keys.
@@ -94,7 +94,7 @@ def prepare_engine_args(engine_args) -> EvictionConfig:
         from vllm.platforms import current_platform
 
         from vllm_contour.integration import vllm_hooks
-        from vllm_contour.integration.platforms import platform_of
+        from vllm_contour.integration.frontend.platforms import platform_of
 
         vllm_hooks.require()  # a vLLM that changed where the plugin hooks in is refused, naming the hook
         platform_of(current_platform.device_type).prepare(engine_args)
@@ -151,7 +151,7 @@ def cache_shape_of(vllm_config):
     """Per-rank KV cache shape from vLLM's config (what the workers' caches will be)."""
     from vllm_contour.budget import CacheShape
 
-    from vllm_contour.integration.platforms import UNQUANTISED
+    from vllm_contour.integration.frontend.platforms import UNQUANTISED
 
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     named = UNQUANTISED.get(str(cc.cache_dtype))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-# Written into vLLM's own managers of a hybrid model's other groups only (request_blocks.py; vllm_hooks says
+# Written into vLLM's own managers of a hybrid model's other groups only (blocks.py; vllm_hooks says
 # why): as many cached blocks as no request has, so vLLM hashes none of the request's blocks again.
 NO_MORE_HASHING = 1 << 40
 

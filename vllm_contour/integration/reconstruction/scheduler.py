@@ -2,7 +2,7 @@
 
 When a request whose policy scores with the reconstruction (``kvzip``, ``contour_kvzip``) reaches its context
 boundary ``C``, its round waits and the scheduler adds one hidden request per reconstruction chunk
-(``vllm_contour/reconstruction.py``): its prompt is the owner's first ``C`` tokens and then the chunk's repeat
+(``prompt.py``): its prompt is the owner's first ``C`` tokens and then the chunk's repeat
 ids. With prefix caching the context is a hit, so each hidden request prefills only its repeat tokens, in
 chunks like any prefill, beside the other requests of the step; the workers capture those tokens' queries
 and fold KVzip's max attention over the context keys into the owner's scores. The owner computes nothing
@@ -31,14 +31,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from vllm_contour.reconstruction import CHUNK_TOKENS, RepeatPrompt, chunks
+from vllm_contour.integration.reconstruction.prompt import CHUNK_TOKENS, RepeatPrompt, chunks
 from vllm_contour.integration.messages import CaptureItem, ReconItem
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-    from vllm_contour.integration.request_blocks import RequestBlocks
-    from vllm_contour.integration.scheduler_records import Tracked
+    from vllm_contour.integration.scheduler.blocks import RequestBlocks
+    from vllm_contour.integration.scheduler.records import Tracked
 
 PREFIX = "contour-kvzip-"  # request ids of the hidden requests
 MIN_CHUNK = 32  # fewer context tokens a chunk than this (a context near max_model_len): no reconstruction

@@ -22,8 +22,8 @@ that query-aware policies compute the window ``[R - W, R)`` whose queries they s
 request adopts a shared compressed context (``shared_hit``, ``shared_contexts.py``): the context round
 of the first request publishes it, later ones start compacted from their first step.
 
-Reports (``apply``) come back in the same step (``round_outcomes.py``); the request's blocks in vLLM's pool
-are read and written through ``request_blocks.py`` (the evicting group's manager owns the table). Nothing
+Reports (``apply``) come back in the same step (``outcomes.py``); the request's blocks in vLLM's pool
+are read and written through ``blocks.py`` (the evicting group's manager owns the table). Nothing
 here raises into vLLM: a request whose handling fails is served without eviction.
 """
 
@@ -36,16 +36,16 @@ from vllm.logger import init_logger
 from vllm_contour import round_clock
 from vllm_contour.budget import CacheShape, decode_interval_for, request_budget
 from vllm_contour.config import EvictionConfig, RequestEviction, request_settings
-from vllm_contour.integration.context_publisher import ContextPublisher
+from vllm_contour.integration.scheduler.contexts import ContextPublisher
 from vllm_contour.integration.metrics import ContourStats
-from vllm_contour.integration.reconstruction import Reconstructions
+from vllm_contour.integration.reconstruction.scheduler import Reconstructions
 from vllm_contour.integration.messages import ContourMetadata, ContourReport
-from vllm_contour.integration.request_blocks import RequestBlocks
-from vllm_contour.integration.round_dispatch import RoundDispatch
-from vllm_contour.integration.round_outcomes import RoundOutcomes
-from vllm_contour.integration.scheduler_events import SchedulerEvents
-from vllm_contour.integration.scheduler_records import Tracked
-from vllm_contour.integration.shared_contexts import SharedContexts
+from vllm_contour.integration.scheduler.blocks import RequestBlocks
+from vllm_contour.integration.scheduler.dispatch import RoundDispatch
+from vllm_contour.integration.scheduler.outcomes import RoundOutcomes
+from vllm_contour.integration.scheduler.events import SchedulerEvents
+from vllm_contour.integration.scheduler.records import Tracked
+from vllm_contour.integration.scheduler.shared_contexts import SharedContexts
 from vllm_contour.integration.messages import CaptureItem, RoundItem
 from vllm_contour.policies import build_policy
 
@@ -306,7 +306,7 @@ class SchedulerSide:
         return out
 
     def apply(self, report: ContourReport) -> None:
-        """The workers' outcomes of this step's rounds (``round_outcomes.py``)."""
+        """The workers' outcomes of this step's rounds (``outcomes.py``)."""
         self.outcomes.apply(report)
 
     def take_recompute(self) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """What the scheduler side keeps: one record per request that may evict (its settings, where its round clock
 stands, the round in flight, the blocks it held) and the process's totals. Plain data; the scheduler side
-(``scheduler_side.py``) and the shared-context bookkeeping (``context_publisher.py``) change it."""
+(``side.py``) and the shared-context bookkeeping (``contexts.py``) change it."""
 
 from __future__ import annotations
 

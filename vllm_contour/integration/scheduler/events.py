@@ -9,7 +9,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_contour.integration.metrics import ContourStats
-from vllm_contour.integration.scheduler_records import SchedulerTotals
+from vllm_contour.integration.scheduler.records import SchedulerTotals
 
 logger = init_logger("vllm.contour")
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from vllm.logger import init_logger
 
 from vllm_contour import round_clock
-from vllm_contour.integration.context_publisher import ContextPublisher
+from vllm_contour.integration.scheduler.contexts import ContextPublisher
 from vllm_contour.integration.messages import ContourReport, Noop, Outcome, PlanFailed, Recompute, Round
-from vllm_contour.integration.request_blocks import RequestBlocks
-from vllm_contour.integration.scheduler_events import SchedulerEvents
-from vllm_contour.integration.scheduler_records import Tracked
+from vllm_contour.integration.scheduler.blocks import RequestBlocks
+from vllm_contour.integration.scheduler.events import SchedulerEvents
+from vllm_contour.integration.scheduler.records import Tracked
 
 logger = init_logger("vllm.contour")
 

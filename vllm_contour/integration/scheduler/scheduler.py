@@ -18,7 +18,7 @@ connector cannot do alone.
   boundary, so the context is compressed before the question is computed (``_reserve_prefill_lookahead``
   is the per-request chunk-size hook vLLM's scheduler calls for running and waiting requests alike); a
   request whose context is being reconstructed (KVzip) computes nothing until its round.
-- Hidden requests that reconstruct a context (``reconstruction.py``) are added and aborted between steps;
+- Hidden requests that reconstruct a context (``reconstruction/scheduler.py``) are added and aborted between steps;
   their outputs never reach a client.
 Everything else is vLLM's own ``Scheduler``.
 """
@@ -58,7 +58,7 @@ class ContourScheduler(Scheduler):
                 side.end_schedule()
 
     def _hidden_requests(self, side) -> None:
-        """Hidden requests that reconstruct a context (``reconstruction.py``) come and go between steps."""
+        """Hidden requests that reconstruct a context (``reconstruction/scheduler.py``) come and go between steps."""
         recon = side.recon
         aborts = [r for r in recon.take_aborts() if r in self.requests]
         if aborts:

@@ -1,5 +1,5 @@
 """KVzip's context reconstruction as token ids: what the model is asked to repeat, chunk by chunk. No vLLM
-import: the scheduler side (``integration/reconstruction.py``) appends each chunk after a request's context
+import: the scheduler side (``scheduler.py`` beside it) appends each chunk after a request's context
 as a hidden request of its own, and the tests build the same inputs for a transformers model.
 
 As in kvpress's ``KVzipPress``: the context after the chat template's prefix is cut into chunks of 2,048

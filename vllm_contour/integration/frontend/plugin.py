@@ -30,7 +30,7 @@ def _validate_request_args(extra_args) -> dict | None:
     from vllm.exceptions import VLLMValidationError
 
     from vllm_contour.config import EvictionConfigError, request_overrides, resolved_entry
-    from vllm_contour.integration import engine_args
+    from vllm_contour.integration.frontend import engine_args
 
     try:
         over = request_overrides(extra_args)
@@ -66,7 +66,7 @@ def apply_request_args(params) -> None:
     from vllm.exceptions import VLLMValidationError
 
     from vllm_contour.config import RESOLVED_KEY
-    from vllm_contour.integration import engine_args
+    from vllm_contour.integration.frontend import engine_args
 
     try:
         entry = _validate_request_args(params.extra_args)
@@ -108,7 +108,7 @@ def _patch_engine_args() -> bool:
         for symbol in _ENGINE_ARGS:
             vllm_hooks.not_installed(symbol, f"not installed ({bad})")
         return False
-    from vllm_contour.integration.engine_args import patch_engine_args
+    from vllm_contour.integration.frontend.engine_args import patch_engine_args
 
     patch_engine_args()
     return not any(s in vllm_hooks.NOT_INSTALLED for s in _ENGINE_ARGS)
@@ -119,7 +119,8 @@ def _register_backend() -> bool:
     imports a registered backend lazily, eviction or not: one that fails there would stop stock vLLM)."""
     import importlib
 
-    from vllm_contour.integration import platforms, vllm_hooks
+    from vllm_contour.integration.frontend import platforms
+    from vllm_contour.integration import vllm_hooks
 
     platform = platforms.current()
     if platform is None:

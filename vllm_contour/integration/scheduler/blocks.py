@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllm_contour.integration.manager import NO_MORE_HASHING
-from vllm_contour.integration.scheduler_records import PrivateBlocks, QueryPages, Tracked
+from vllm_contour.integration.scheduler.manager import NO_MORE_HASHING
+from vllm_contour.integration.scheduler.records import PrivateBlocks, QueryPages, Tracked
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -25,7 +25,7 @@ class RequestBlocks:
         self.entry_ids: set[int] = set()  # blocks the shared compressed contexts hold (this step)
 
     def bind(self, kv_cache_manager: "KVCacheManager") -> None:
-        from vllm_contour.integration.manager import EvictingAttentionManager
+        from vllm_contour.integration.scheduler.manager import EvictingAttentionManager
 
         mgr = kv_cache_manager.coordinator.single_type_managers[self.group]
         if not isinstance(mgr, EvictingAttentionManager):
