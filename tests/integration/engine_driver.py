@@ -1397,6 +1397,11 @@ def main(spec_path: str, out_path: str) -> None:
     res["attn_impl"] = runner.attn_groups[0][0].backend.__name__ \
         if runner is not None and hasattr(runner, "attn_groups") else None
     res["runner"] = None if runner is None else f"{type(runner).__module__}.{type(runner).__name__}"
+    from vllm.v1.request import Request
+
+    init = Request.__init__  # the plugin calls it (KVzip's hidden requests) and never replaces it
+    res["request_init_intact"] = (init.__module__, init.__qualname__, hasattr(init, "__contour_original__")) == \
+        ("vllm.v1.request", "Request.__init__", False)
     res["connector"] = type(core.scheduler.connector).__name__ if core.scheduler.connector else None
     _log_rounds(core)
     StepGuard(llm).install()

@@ -47,6 +47,10 @@ def test_plugin_off_is_stock(stock, plugin_off):
     assert "vllm-contour plugin registered" not in stock["log"]
 
 
+def test_a_snapkv_engine_leaves_vllms_request_as_vllm_defined_it(stock, evicting):
+    assert evicting["request_init_intact"] and stock["request_init_intact"]
+
+
 def test_budget_above_prompt_gives_stock_tokens(stock, evicting):
     assert evicting["connector"] == "ContourKVConnector"
     assert evicting["greedy"] == stock["greedy"]

@@ -193,3 +193,27 @@ def test_the_worker_keeps_a_context_s_scores_and_gives_a_copy_to_a_later_request
     with pytest.raises(ValueError, match="not on this worker"):
         cs.for_round(item("c", ScoresRef("other", 0, store=False)))
     assert cs.for_round(item("d", None)) is None
+
+
+def test_a_reconstruction_on_a_vllm_whose_hooks_changed_serves_its_request_densely(monkeypatch):
+    """KVzip's component checks the hooks its hidden requests need when the first one would start: on a vLLM
+    where they changed, the request's round is not started, the request is served without eviction, and the
+    failure is counted under ``reconstruction`` naming the hook; other requests are untouched."""
+    from types import SimpleNamespace
+
+    from vllm_contour.integration.reconstruction import scheduler as rs
+    from vllm_contour.integration.scheduler.events import SchedulerEvents
+
+    monkeypatch.setattr(rs, "_HOOKS_OK", None)
+    from vllm_contour.integration import vllm_hooks
+
+    monkeypatch.setattr(vllm_hooks, "feature_refusal",
+                        lambda feature: "reconstruction needs vLLM hooks that differ on vLLM 9: Request.__init__")
+    events = SchedulerEvents()
+    recon = rs.Reconstructions(32, lambda: RP, max_model_len=4096)
+    comp = rs.ContextRounds(recon, SimpleNamespace(block_size=32), events)
+    t = SimpleNamespace(request=_request("k", list(range(2000))), epoch=1, compacted=False, region_blocks=0,
+                        params=object())
+    comp.round_due(t, 1500, [], lambda *a: pytest.fail("no round without scores"))
+    assert t.params is None and not recon.waiting and not recon.take_new()
+    assert events.totals.failures == {"reconstruction": 1}

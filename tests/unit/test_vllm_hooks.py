@@ -74,7 +74,7 @@ def test_a_server_with_eviction_refuses_a_vllm_whose_hooks_changed(monkeypatch, 
 
     from vllm_contour.integration.frontend.engine_args import prepare_engine_args
 
-    monkeypatch.setattr(vllm_hooks, "_problems", lambda hooks=None, version=None: {"x:Y.z": "x:Y.z: parameters ('a',)"})
+    monkeypatch.setattr(vllm_hooks, "_problems", lambda hooks=None, version=None, features=None: {"x:Y.z": "x:Y.z: parameters ('a',)"})
     with pytest.raises(EvictionConfigError, match=r"--kv-eviction-policy.*vLLM 0\.32\.0.*x:Y\.z"):
         prepare_engine_args(EngineArgs(model="dummy", additional_config={"kv_eviction": {"policy": "snapkv"}}))
     prepare_engine_args(EngineArgs(model="dummy"))  # eviction off: nothing checked
@@ -376,3 +376,23 @@ def test_no_patch_outside_the_table():
             "KVCacheManager.allocate_slots", "version", "_get_attn_isa", "cpu_attn_reshape_and_cache",
             "get_kv_transfer_group", "has_kv_transfer_group", "CPUAttentionMetadata",
             "TritonAttentionMetadata"} <= declared
+
+
+def test_kvzips_hooks_are_checked_only_where_a_reconstruction_runs(monkeypatch):
+    """A vLLM whose ``Request.__init__`` changed refuses nothing for a ``snapkv`` server (start-up checks the
+    rows of no feature); a server whose policy reconstructs contexts is refused naming the hook, and a
+    request asking for ``kvzip`` later finds the same reason (``feature_refusal``)."""
+    from vllm.v1.request import Request
+
+    def changed(self, request_id, prompt_token_ids, sampling_params, *, new_argument=None):
+        pass
+
+    monkeypatch.setattr(Request, "__init__", changed)
+    assert vllm_hooks.refusal() is None
+    msg = vllm_hooks.refusal(frozenset({"reconstruction"}))
+    assert msg is not None and "vllm.v1.request:Request.__init__" in msg
+    why = vllm_hooks.feature_refusal("reconstruction")
+    assert why is not None and "Request.__init__" in why and vllm_hooks.installed_version() in why
+    assert all(h.feature in ("", "reconstruction") for h in HOOKS)
+    assert {h.symbol.split(":")[1] for h in HOOKS if h.feature == "reconstruction"} == \
+        {"Request.__init__", "Request._block_hasher", "Scheduler.add_request"}

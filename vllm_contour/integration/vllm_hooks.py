@@ -41,6 +41,9 @@ class Hook:
     where: str  # the plugin modules that use it, comma-separated (paths under vllm_contour/)
     versions: str = ""  # PEP 440 specifiers of the vLLM versions the row applies to ("": every version)
     name: str = ""  # the row this one is the alternative of (its symbol); "" for the first
+    # a feature only some policies use ("reconstruction": KVzip's hidden requests): checked when that feature
+    # first runs, not at start-up for every policy ("": always)
+    feature: str = ""
 
     @property
     def key(self) -> str:
@@ -113,7 +116,8 @@ HOOKS: tuple[Hook, ...] = (
     Hook("vllm.v1.core.sched.scheduler:Scheduler.finish_requests", ("self", "request_ids", "finished_status"),
          "called", "finish one request with FINISHED_ERROR", "integration/scheduler/scheduler.py"),
     Hook("vllm.v1.core.sched.scheduler:Scheduler.add_request", ("self", "request"), "called",
-         "hidden reconstruction requests join the waiting queue between steps", "integration/scheduler/scheduler.py"),
+         "hidden reconstruction requests join the waiting queue between steps", "integration/scheduler/scheduler.py",
+         feature="reconstruction"),
     Hook("vllm.v1.core.kv_cache_manager:KVCacheManager.truncate_computed_blocks",
          ("self", "blocks", "num_computed_tokens"), "called", "cut a prefix hit", "integration/scheduler/scheduler.py"),
     Hook("vllm.v1.core.kv_cache_manager:KVCacheManager.create_kv_cache_blocks", ("self", "blocks"), "called",
@@ -146,7 +150,8 @@ HOOKS: tuple[Hook, ...] = (
           "arrival_time", "prompt_embeds", "prompt_is_token_ids", "mm_features", "lora_request", "cache_salt",
           "priority", "trace_headers", "block_hasher", "resumable", "session_id", "reasoning_ended",
           "reasoning_parser_kwargs", "abort_immediately", "kv_hints"), "called",
-         "the hidden requests that reconstruct a context (KVzip)", "integration/reconstruction/scheduler.py", versions="<0.34"),
+         "the hidden requests that reconstruct a context (KVzip)", "integration/reconstruction/scheduler.py",
+         versions="<0.34", feature="reconstruction"),
     Hook("vllm.v1.request:Request.__init__",
          ("self", "request_id", "prompt_token_ids", "sampling_params", "pooling_params", "client_index",
           "arrival_time", "prompt_embeds", "prompt_is_token_ids", "mm_features", "lora_request", "cache_salt",
@@ -154,10 +159,10 @@ HOOKS: tuple[Hook, ...] = (
           "reasoning_parser_kwargs", "abort_immediately", "kv_hints", "block_hashes"), "called",
          "as before 0.34; the new block_hashes has a default (None: hashed by block_hasher, as before) and the "
          "plugin passes keywords", "integration/reconstruction/scheduler.py", versions=">=0.34",
-         name="vllm.v1.request:Request.__init__"),
+         name="vllm.v1.request:Request.__init__", feature="reconstruction"),
     Hook("vllm.v1.request:Request._block_hasher", None, "read",
          "a hidden reconstruction request hashes its blocks as its owner does (its context is a prefix hit)",
-         "integration/reconstruction/scheduler.py"),
+         "integration/reconstruction/scheduler.py", feature="reconstruction"),
     # ---- the evicting group's manager (registered through vLLM's KV-cache spec registry)
     Hook("vllm.v1.kv_cache_spec_registry:register_kv_cache_spec", ("manager_class", "uniform_type_base_spec"),
          "called", "the registry's public entry point: EvictingAttentionSpec -> EvictingAttentionManager, grouped "
@@ -318,10 +323,15 @@ def _problem(h: Hook) -> str | None:
         return f"{type(e).__name__}: {e}"
 
 
-def _problems(hooks: tuple[Hook, ...] | None = None, version: str | None = None) -> dict[str, str]:
+def _problems(hooks: tuple[Hook, ...] | None = None, version: str | None = None,
+              features: frozenset[str] | None = None) -> dict[str, str]:
+    """Rows that fail their check; ``features``: only the rows of these features and those of none (None:
+    every row)."""
     version = version or installed_version()
     out = {}
     for h in rows_for(version, hooks):
+        if features is not None and h.feature and h.feature not in features:
+            continue
         p = _problem(h)
         if p is not None:
             out[h.key] = f"{h.symbol}: {p}"
@@ -412,12 +422,13 @@ def wrap_instance(obj, symbol: str, make) -> bool:
     return True
 
 
-def refusal() -> str | None:
-    """Why eviction cannot run on this vLLM (None: it can): the rows that fail their check and the hooks this
-    process could not install, with the vLLM version."""
+def refusal(features: frozenset[str] = frozenset()) -> str | None:
+    """Why eviction cannot run on this vLLM (None: it can): the rows that fail their check (those of no
+    feature, and of ``features``, the ones the server's policy uses) and the hooks this process could not
+    install, with the vLLM version."""
     try:
         version = installed_version()
-        problems = _problems(version=version)
+        problems = _problems(version=version, features=features)
     except Exception as e:  # vLLM itself does not import
         return f"--kv-eviction-policy: vLLM cannot be inspected ({type(e).__name__}: {e})"
     for key, why in NOT_INSTALLED.items():
@@ -430,10 +441,23 @@ def refusal() -> str | None:
             + ". Start without --kv-eviction-policy (vLLM then runs as without the plugin)")
 
 
-def require() -> None:
-    """At start-up with eviction on: refuse a vLLM whose hooked symbols changed or whose hooks this process
-    could not install, naming them and the vLLM version."""
-    msg = refusal()
+def feature_refusal(feature: str) -> str | None:
+    """Why a feature's hooks cannot be used on this vLLM (None: they can), naming them and the version."""
+    try:
+        version = installed_version()
+        problems = {k: v for k, v in _problems(version=version, features=frozenset({feature})).items()
+                    if hook(k).feature == feature}
+    except Exception as e:
+        return f"{feature}: vLLM cannot be inspected ({type(e).__name__}: {e})"
+    if not problems:
+        return None
+    return (f"{feature} needs vLLM hooks that differ on vLLM {version}: " + "; ".join(problems.values()))
+
+
+def require(features: frozenset[str] = frozenset()) -> None:
+    """At start-up with eviction on: refuse a vLLM whose hooked symbols changed (those of no feature and of
+    ``features``) or whose hooks this process could not install, naming them and the vLLM version."""
+    msg = refusal(features)
     if msg is not None:
         from vllm_contour.config import EvictionConfigError
 

@@ -96,7 +96,12 @@ def prepare_engine_args(engine_args) -> EvictionConfig:
         from vllm_contour.integration import vllm_hooks
         from vllm_contour.integration.frontend.platforms import platform_of
 
-        vllm_hooks.require()  # a vLLM that changed where the plugin hooks in is refused, naming the hook
+        from vllm_contour.policies import build_policy
+
+        # a vLLM that changed where the plugin hooks in is refused, naming the hook; a feature's hooks (KVzip's
+        # hidden requests) only when the server's policy uses it (a request asking for it later checks them)
+        features = frozenset({"reconstruction"}) if build_policy(cfg.policy).needs_reconstruction else frozenset()
+        vllm_hooks.require(features)
         platform_of(current_platform.device_type).prepare(engine_args)
         ktc = engine_args.kv_transfer_config
         if ktc is None:

@@ -32,13 +32,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from vllm_contour.integration.reconstruction.prompt import CHUNK_TOKENS, RepeatPrompt, chunks
-from vllm_contour.integration.messages import CaptureItem, ReconItem
+from vllm_contour.integration.messages import CaptureItem, ReconItem, RoundItem, ScoresRef
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from vllm_contour.integration.scheduler.blocks import RequestBlocks
+    from vllm_contour.integration.scheduler.events import SchedulerEvents
     from vllm_contour.integration.scheduler.records import Tracked
+
+# (request, tokens, the step's rounds, context scores) -> dispatched (False: no room now)
+Dispatch = Callable[["Tracked", int, list, "ScoresRef | None"], bool]
 
 PREFIX = "contour-kvzip-"  # request ids of the hidden requests
 MIN_CHUNK = 32  # fewer context tokens a chunk than this (a context near max_model_len): no reconstruction
@@ -228,3 +232,98 @@ class Reconstructions:
             comp = self.companions.pop(rid, None)
             if comp is not None and not comp.complete:
                 self._abort.append(rid)
+
+
+def _require_hooks() -> None:
+    """The vLLM hooks hidden requests need (``vllm_hooks`` rows of the ``reconstruction`` feature), checked
+    the first time a reconstruction starts in this process: a vLLM where they changed serves such requests
+    without eviction, naming them, and stops nothing else."""
+    global _HOOKS_OK
+    if _HOOKS_OK is None:
+        from vllm_contour.integration import vllm_hooks
+
+        _HOOKS_OK = vllm_hooks.feature_refusal("reconstruction") or ""
+    if _HOOKS_OK:
+        raise RuntimeError(_HOOKS_OK)
+
+
+_HOOKS_OK: str | None = None  # "" once checked and fine, else why not (this process's vLLM does not change)
+
+
+class ContextRounds:
+    """The round path's one extension point for policies that score with the context's reconstruction (KVzip):
+    the scheduler side's dispatch hands it a request's due round (``round_due``) and asks it once per step
+    for the hidden requests' work (``step``); it starts reconstructions, dispatches an owner's round back
+    through the dispatch function it is given when its scores are complete (or at once with the scores the
+    workers keep for the same context), and serves an owner densely when its reconstruction cannot
+    complete. The vLLM hooks its hidden requests need are checked the first time one starts."""
+
+    def __init__(self, recon: Reconstructions, blocks: "RequestBlocks", events: "SchedulerEvents"):
+        self.recon = recon
+        self.blocks = blocks
+        self.events = events
+
+    def round_due(self, t: "Tracked", done: int, rounds: list[RoundItem], dispatch: Dispatch) -> None:
+        """The reconstruction runs first (for a compacted streaming-input session, over the tokens appended
+        since its last round), unless the workers keep the scores of an earlier request's reconstruction of
+        the same context."""
+        req = t.request
+        key = None if t.compacted else context_key(req, done)
+        if key is None or not self.recon.kept_scores(key):
+            self._reconstruct(t, done, t.region_blocks * self.blocks.block_size if t.compacted else 0, key)
+        elif dispatch(t, done, rounds, ScoresRef(key, t.epoch, store=False)):
+            self.events.event("reconstructions_reused")
+
+    def _reconstruct(self, t: "Tracked", c: int, start_at: int, key: str | None) -> None:
+        try:
+            _require_hooks()
+            self.recon.start(t, c, start_at, key)
+            self.events.event("reconstructions")
+        except Exception as e:  # never into vLLM: the request goes on without eviction
+            self.stop_reconstruction(t, e)
+
+    def step(self, scheduler_output, tracked: dict[str, "Tracked"], keys: dict, captures: list[CaptureItem],
+             rounds: list[RoundItem], dispatch: Dispatch) -> list[ReconItem]:
+        """The step's hidden reconstruction requests (their repeat tokens captured), and the rounds of the
+        owners whose reconstruction completes with this step (each keeping its context's scores)."""
+        items: list[ReconItem] = []
+        if not self.recon.waiting:
+            return items
+        try:
+            sched = {r: n for r, n in scheduler_output.num_scheduled_tokens.items() if self.recon.is_companion(r)}
+            n = self.recon.step(sched, self.blocks, keys, captures, items)
+            if n:
+                self.events.event("reconstruction_tokens", n)
+        except Exception as e:  # never into vLLM: the owners go on without eviction
+            for owner in list(self.recon.waiting):
+                self._stop_owner(tracked.get(owner), owner, e)
+            return []
+        for owner in self.recon.ready():
+            t = tracked.get(owner)
+            try:
+                w = self.recon.waiting[owner]
+                if t is None or t.params is None:
+                    self.recon.done(owner)
+                    continue
+                keep = ScoresRef(w.key, t.epoch, store=True) if w.key is not None else None
+                if dispatch(t, w.context_len, rounds, keep):
+                    if keep is not None:
+                        self.recon.keep_scores(keep.key)
+                    self.recon.done(owner)
+            except Exception as e:
+                self._stop_owner(t, owner, e)
+        return items
+
+    def _stop_owner(self, t: "Tracked | None", owner: str, err) -> None:
+        if t is None:
+            self.recon.owner_gone(owner)
+        else:
+            self.stop_reconstruction(t, err)
+
+    def stop_reconstruction(self, t: "Tracked", err) -> None:
+        """The request's reconstruction cannot complete: its hidden requests go, it is served densely."""
+        self.recon.owner_gone(t.request.request_id)
+        if t.params is not None:
+            self.events.fail(t.request.request_id, "reconstruction", err)
+            t.params = None
+

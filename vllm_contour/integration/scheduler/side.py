@@ -38,7 +38,7 @@ from vllm_contour.budget import CacheShape, decode_interval_for, request_budget
 from vllm_contour.config import EvictionConfig, RequestEviction, request_settings
 from vllm_contour.integration.scheduler.contexts import ContextPublisher
 from vllm_contour.integration.metrics import ContourStats
-from vllm_contour.integration.reconstruction.scheduler import Reconstructions
+from vllm_contour.integration.reconstruction.scheduler import ContextRounds, Reconstructions
 from vllm_contour.integration.messages import ContourMetadata, ContourReport
 from vllm_contour.integration.scheduler.blocks import RequestBlocks
 from vllm_contour.integration.scheduler.dispatch import RoundDispatch
@@ -202,7 +202,7 @@ class SchedulerSide:
             owner = self.recon.companion_finished(request.request_id)
             t = self.tracked.get(owner) if owner is not None else None
             if t is not None:  # it ended before its repeat tokens were computed
-                self.dispatch.stop_reconstruction(t, f"hidden request {request.request_id} ended early")
+                self.context_rounds.stop_reconstruction(t, f"hidden request {request.request_id} ended early")
             return None
         t = self.tracked.pop(request.request_id, None)
         out = None
@@ -282,7 +282,8 @@ class SchedulerSide:
             except Exception as e:
                 self.events.fail(req_id, "metadata", e)
                 t.params = None
-        recon = self.dispatch.reconstruction_step(scheduler_output, self.tracked, keys, captures, rounds)
+        recon = self.context_rounds.step(scheduler_output, self.tracked, keys, captures, rounds,
+                                         self.dispatch.dispatch)
         adopt = self.contexts.take_adoptions(keys, self.tracked)
         if self.blocks.caching:
             for name, value in self.shared.gauges().items():
