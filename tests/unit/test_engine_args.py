@@ -132,7 +132,7 @@ def test_per_request_keys_validated_in_sampling_params(parser):
     from vllm_contour.integration.frontend import engine_args as ea
 
     vllm_contour.register()
-    ea.ACTIVE_CONFIG = EvictionConfig(policy="snapkv")
+    ea.SERVER.config = EvictionConfig(policy="snapkv")
     SamplingParams(extra_args={"kv_budget": 64, "kv_policy": "streaming", "other": 1})
     for bad, word in [({"kv_budget": 0}, "kv_budget"), ({"kv_policy": "nope"}, "kv_policy"),
                       ({"kv_bugdet": 3}, "kv_bugdet")]:
@@ -148,7 +148,7 @@ def test_per_request_keys_validated_in_sampling_params(parser):
         SamplingParams(extra_args={"kv_policy_args": '{"lam": 0.2}'})  # snapkv has no diversity selector
 
     # A server (or offline LLM) with eviction off refuses per-request eviction keys, except kv_policy=none.
-    ea.ACTIVE_CONFIG = EvictionConfig()
+    ea.SERVER.config = EvictionConfig()
     with pytest.raises(VLLMValidationError, match="--kv-eviction-policy"):
         SamplingParams(extra_args={"kv_budget": 64})
     SamplingParams(extra_args={"kv_policy": "none"})
@@ -189,17 +189,17 @@ def test_the_front_ends_parsed_settings_travel_with_the_request(monkeypatch):
     from vllm_contour.integration.frontend import engine_args as ea
 
     vllm_contour.register()
-    server = ea.ACTIVE_CONFIG = EvictionConfig(policy="snapkv")
+    server = ea.SERVER.config = EvictionConfig(policy="snapkv")
     sp = SamplingParams(extra_args={"kv_budget": 64, "kv_policy": "knorm", "other": 1})
     assert sp.extra_args["other"] == 1 and sp.extra_args[RESOLVED_KEY]["settings"]["budget"] == 64
     # across the engine's transport (msgpack), then in a process that does not know the server's settings
-    ea.ACTIVE_CONFIG = None
+    ea.SERVER.config = None
     sp = msgspec.msgpack.decode(msgspec.msgpack.encode(sp), type=SamplingParams)
     expected = resolve_request(server, sp.extra_args)
     calls = []
     monkeypatch.setattr(config, "resolve_request", lambda *a: calls.append(a) or expected)
     assert request_settings(server, sp.extra_args) == expected and calls == []  # not parsed again
     assert request_settings(EvictionConfig(policy="h2o"), sp.extra_args) == expected and len(calls) == 1
-    ea.ACTIVE_CONFIG = server  # a client's own value under the key is never taken for the front end's
+    ea.SERVER.config = server  # a client's own value under the key is never taken for the front end's
     forged = SamplingParams(extra_args={RESOLVED_KEY: ["x"], "other": 2})
     assert RESOLVED_KEY not in forged.extra_args

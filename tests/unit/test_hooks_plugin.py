@@ -139,7 +139,7 @@ def test_the_request_wrapper_passes_vllms_arguments_and_never_fails_a_request_it
 
     monkeypatch.setattr(vllm_hooks, "patch_class", patch_class)
     assert plugin._patch_sampling_params()
-    monkeypatch.setattr(engine_args, "ACTIVE_CONFIG", EvictionConfig(policy="snapkv"))
+    monkeypatch.setattr(engine_args.SERVER, "config", EvictionConfig(policy="snapkv"))
     req = SimpleNamespace(extra_args={"kv_budget": 256, "other": 1})
     wrapper(req, 7, strict=True)
     assert calls == [((7,), {"strict": True})] and req.extra_args["other"] == 1

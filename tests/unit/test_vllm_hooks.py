@@ -349,7 +349,7 @@ def test_the_patch_detector_catches_every_kind_of_patch():
     for src in bad:
         assert patches_outside_the_table(src), src
     fine = ["import os\nos.environ['VLLM_X'] = '0'\n", "class A:\n    def f(self):\n        self.x = 1\n",
-            "from vllm_contour.integration import engine_args\nengine_args.ACTIVE_CONFIG = None\n",
+            "from vllm_contour.integration import engine_args\nengine_args.SERVER.config = None\n",
             "def f(mgr):\n    mgr.num_cached_block['r'] = 1\n"]
     for src in fine:
         assert patches_outside_the_table(src) == [], src

@@ -18,20 +18,31 @@ import copy
 import json
 import sys
 import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vllm_contour.config import ADDITIONAL_CONFIG_KEY, EvictionConfig, EvictionConfigError
 from vllm_contour.knobs import BY_FLAG_DEST, add_arguments
+
+if TYPE_CHECKING:
+    from vllm_contour.budget import CacheShape
 
 CONNECTOR_NAME = "ContourKVConnector"
 CONNECTOR_MODULE = "vllm_contour.integration.connector"
 SCHEDULER_CLS = "vllm_contour.integration.scheduler.scheduler.ContourScheduler"
 DEFAULT_EVICTION_BLOCK_SIZE = 32
 
-# Server config seen in this process (API server / offline LLM); used to validate per-request keys.
-ACTIVE_CONFIG: EvictionConfig | None = None
-# The KV cache shape of one rank (set once vLLM has built its config); per-request budgets are checked
-# against it.
-ACTIVE_SHAPE = None
+@dataclass
+class ServerSettings:
+    """The server's eviction settings as this process learned them while vLLM built its config (the API
+    server, an offline LLM's process): what per-request keys are validated against (``plugin.py``). One per
+    process, written by ``create_engine_config`` only."""
+
+    config: EvictionConfig | None = None  # None: a process that has not built a vLLM config
+    shape: "CacheShape | None" = None  # the KV cache of one rank, once vLLM resolved the model
+
+
+SERVER = ServerSettings()
 
 
 def add_eviction_args(parser):
@@ -81,7 +92,6 @@ def fold_cli_args(args: argparse.Namespace, additional_config) -> dict | None:
 
 def prepare_engine_args(engine_args) -> EvictionConfig:
     """Validate the eviction config and wire what it needs into the EngineArgs (in place)."""
-    global ACTIVE_CONFIG
     from vllm.logger import init_logger
 
     logger = init_logger("vllm.contour")
@@ -132,7 +142,7 @@ def prepare_engine_args(engine_args) -> EvictionConfig:
                 f"eviction needs its own scheduler class ({SCHEDULER_CLS}); drop --scheduler-cls")
         engine_args.scheduler_cls = SCHEDULER_CLS
         logger.info("kv_eviction: %s", cfg.to_dict())
-    ACTIVE_CONFIG = cfg
+    SERVER.config = cfg
     return cfg
 
 
@@ -171,7 +181,6 @@ def cache_shape_of(vllm_config):
 def check_against_cache(cfg: EvictionConfig, vllm_config) -> None:
     """At start-up: the server's budget and decode interval must fit the model's cache (floor, block
     size); remembered so that per-request values are checked the same way (HTTP 400)."""
-    global ACTIVE_SHAPE
     from vllm_contour.budget import request_budget
     from vllm_contour.config import resolve_request
 
@@ -182,7 +191,7 @@ def check_against_cache(cfg: EvictionConfig, vllm_config) -> None:
             "whose compressed KV cache has no per-head pages to evict")
     shape = cache_shape_of(vllm_config)
     request_budget(resolve_request(cfg, None), shape, per_request=False)
-    ACTIVE_SHAPE = shape
+    SERVER.shape = shape
 
 
 # EngineArgs made from a command line (``from_cli_args``): their refusals end the process with one line

@@ -36,7 +36,7 @@ def _validate_request_args(extra_args) -> dict | None:
         over = request_overrides(extra_args)
     except EvictionConfigError as e:
         raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
-    active = engine_args.ACTIVE_CONFIG
+    active = engine_args.SERVER.config
     if active is not None and not active.enabled and any(
             (k, v) != ("policy", "none") for k, v in over.items()):
         raise VLLMValidationError(
@@ -48,8 +48,8 @@ def _validate_request_args(extra_args) -> dict | None:
 
         try:
             params = resolve_request(active, extra_args)  # knobs checked against the request's policy
-            if params.enabled and engine_args.ACTIVE_SHAPE is not None:
-                request_budget(params, engine_args.ACTIVE_SHAPE, per_request=True)
+            if params.enabled and engine_args.SERVER.shape is not None:
+                request_budget(params, engine_args.SERVER.shape, per_request=True)
         except EvictionConfigError as e:
             raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
         return resolved_entry(active, params)
@@ -70,7 +70,7 @@ def apply_request_args(params) -> None:
 
     try:
         entry = _validate_request_args(params.extra_args)
-        if engine_args.ACTIVE_CONFIG is None:  # a process that does not know the server's settings
+        if engine_args.SERVER.config is None:  # a process that does not know the server's settings
             return
         rest = {k: v for k, v in params.extra_args.items() if k != RESOLVED_KEY}  # only this hook writes it
         params.extra_args = {**rest, RESOLVED_KEY: entry} if entry is not None else rest
