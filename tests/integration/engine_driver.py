@@ -598,7 +598,7 @@ def _nonfinite_cache_elements() -> int:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     ws = get_kv_transfer_group().worker_side
-    return int(sum(int((~torch.isfinite(kv)).sum()) for _, kv in ws._layer_caches))
+    return int(sum(int((~torch.isfinite(kv)).sum()) for _, kv in ws.caches.named))
 
 
 def run_faults(llm, spec, res):

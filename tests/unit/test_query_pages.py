@@ -47,15 +47,15 @@ def test_a_window_written_over_several_steps_is_what_its_round_reads():
     from vllm_contour.config import EvictionConfig
     from vllm_contour.integration.worker.requests import QueryWindow
     from vllm_contour.integration.worker.side import WorkerSide
-    from vllm_contour.integration.worker.step import ContourStep
+    from vllm_contour.integration.worker.step import ContourStep, window_plan
     from vllm_contour.page_tables import CaptureWindows
 
     layers, hq, w, r = 3, 4, 10, 100
     ws = WorkerSide(VllmConfig(), EvictionConfig(policy="snapkv"))
-    ws._views = [make_cache("cpu_keyT", 8, H, BS, D, torch.float32, seed=s)[1:] for s in range(layers)]
-    ws._dims = (8, H, BS, D)
-    ws._shape = SimpleNamespace(elem_size=4)
-    ws.rounds.query_shape = (hq, D, torch.float32)
+    ws.caches.views = [make_cache("cpu_keyT", 8, H, BS, D, torch.float32, seed=s)[1:] for s in range(layers)]
+    ws.caches.dims = (8, H, BS, D)
+    ws.caches.shape = SimpleNamespace(elem_size=4)
+    ws.rounds.query_shape = ws.caches.query_shape = (hq, D, torch.float32)
     blocks = [3, 6]  # 10 x 4 x 32 fp32 = 1,280 elements a layer; a block holds 2 x 2 x 16 x 32 = 2,048
     ws.requests.state_for("a").window = QueryWindow(r - w, r, blocks)
     ws.message = SimpleNamespace(recon=[])
@@ -64,12 +64,12 @@ def test_a_window_written_over_several_steps_is_what_its_round_reads():
         cap = CaptureWindows([("a", pos0, n)], n, torch.arange(n))
         step = ContourStep.__new__(ContourStep)
         step.capture, step.staged = cap, {}
-        step.windows = ws._window_plan(cap, torch.device("cpu"))
+        step.windows = window_plan(cap, ws.requests.requests, set(), ws.caches, torch.device("cpu"))
         assert not step.windows.keep_staged and not step.windows.held
-        for layer, (k, v) in enumerate(ws._views):
+        for layer, (k, v) in enumerate(ws.caches.views):
             rows = want[layer, pos0 - (r - w): pos0 - (r - w) + n]
             step.stage(layer, rows, k, v)
-    queries, positions = ws.rounds._window_queries(ws.requests.requests["a"].window, ws._views)
+    queries, positions = ws.rounds._window_queries(ws.requests.requests["a"].window, ws.caches.views)
     kept = [i for i in range(w) if i != w - 4]
     assert positions.tolist() == [r - w + i for i in kept]
     for layer in range(layers):
@@ -79,11 +79,11 @@ def test_a_window_written_over_several_steps_is_what_its_round_reads():
     cap = CaptureWindows([("c", 0, 3), ("b", r - w, w)], 3 + w, torch.arange(3 + w))  # c: no window here
     step = ContourStep.__new__(ContourStep)
     step.capture, step.staged = cap, {}
-    step.windows = ws._window_plan(cap, torch.device("cpu"))
+    step.windows = window_plan(cap, ws.requests.requests, set(), ws.caches, torch.device("cpu"))
     assert step.windows.paged is None and len(step.windows.held) == 1
-    for layer, (k, v) in enumerate(ws._views):
+    for layer, (k, v) in enumerate(ws.caches.views):
         step.stage(layer, torch.cat([torch.zeros(3, hq, D), want[layer]]), k, v)
-    queries, positions = ws.rounds._window_queries(win, ws._views)
+    queries, positions = ws.rounds._window_queries(win, ws.caches.views)
     assert positions.tolist() == list(range(r - w, r))
     for layer in range(layers):
         assert torch.equal(queries[layer], want[layer].permute(1, 0, 2))

@@ -156,7 +156,7 @@ def _side(policy):
     ("snapkv", {"kv_observation_window": 64}, 992, 928),
 ])
 def test_scheduler_side_cuts_a_prefix_hit_where_the_clock_says(policy, extra, hit, used):
-    assert _side(policy).limit_hit(_request(1000, **extra), hit) == used
+    assert _side(policy).prefill.limit_hit(_request(1000, **extra), hit) == used
 
 
 @pytest.mark.parametrize("extra, computed, new, n", [
@@ -166,4 +166,4 @@ def test_scheduler_side_cuts_a_prefix_hit_where_the_clock_says(policy, extra, hi
     ({}, 256, 512, 512),
 ])
 def test_scheduler_side_ends_a_chunk_at_the_context_boundary(extra, computed, new, n):
-    assert _side("knorm").cap_chunk(_request(1000, **extra), computed, new) == n
+    assert _side("knorm").prefill.cap_chunk(_request(1000, **extra), computed, new) == n

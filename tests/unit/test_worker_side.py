@@ -24,19 +24,19 @@ def side():
 
     ws = WorkerSide(VllmConfig(), EvictionConfig(policy="snapkv"))  # no caches registered: views set below
     _, k, v = make_cache("cpu_rows", 6, H, BS, D, torch.bfloat16)
-    ws._views = [(k, v)]
+    ws.caches.views = [(k, v)]
     yield ws, ws.requests
 
 
 def _moment_layout(ws):
     ids = torch.tensor([[4, 5]], dtype=torch.int32)  # [L, M]
-    k, v = ws._views[0]
+    k, v = ws.caches.views[0]
     ops.store_moments(k, v, ids[0].to(torch.int64), torch.full((BS * D,), float("nan")))
     return SimpleNamespace(moment_page_ids=ids)
 
 
 def _nonfinite(ws) -> int:
-    k, v = ws._views[0]
+    k, v = ws.caches.views[0]
     return int((~torch.isfinite(k.float())).sum() + (~torch.isfinite(v.float())).sum())
 
 
@@ -58,11 +58,11 @@ def test_moment_pages_outlive_every_reader_then_clear(side):
 def test_release_without_moments_or_state_is_a_noop(side):
     ws, st = side
     st.requests["c"] = RequestState("c", layout=SimpleNamespace(moment_page_ids=None))
-    before = ws._views[0][0].clone()
+    before = ws.caches.views[0][0].clone()
     ws._release_layout("c")
     ws._release_layout("never-seen")
     ws._clear_unread(None, "nothing")
-    assert "c" not in st.requests and torch.equal(ws._views[0][0], before)
+    assert "c" not in st.requests and torch.equal(ws.caches.views[0][0], before)
 
 
 def test_fault_switch_names_failures_and_limits_the_random_ones():
@@ -104,7 +104,7 @@ def test_rounds_due_together_move_together_and_a_failure_stays_with_its_request(
 
     ws, st = side
     layers, bs, d, per_req = 2, 16, 8, 8
-    ws._views = [make_cache("cpu_rows", 3 * per_req + 1, H, bs, d, torch.float32, seed=s)[1:] for s in range(layers)]
+    ws.caches.views = [make_cache("cpu_rows", 3 * per_req + 1, H, bs, d, torch.float32, seed=s)[1:] for s in range(layers)]
     rounds = ws.rounds
     params = resolve_request(EvictionConfig(policy="knorm", budget=32, recent_window=4, sink_tokens=2), None)
     pb = page_budget(params.budget, num_kv_heads=H, block_size=bs, head_dim=d, elem_size=4,
@@ -115,7 +115,7 @@ def test_rounds_due_together_move_together_and_a_failure_stays_with_its_request(
         st.state_for(it.req_id)
     rep, stats = {}, ContourStats()
     with faults.installed("at=apply:b:1"):
-        rounds.run(items, ws._views, d ** -0.5, None, rep, stats)
+        rounds.run(items, ws.caches.views, d ** -0.5, None, rep, stats)
     assert isinstance(rep["a"], Round) and isinstance(rep["c"], Round) and isinstance(rep["b"], Recompute)
     assert st.requests["a"].layout is not None and st.requests["c"].layout is not None and "b" not in st.requests
     assert stats.data.get("c:batched_rounds") == 2, stats.data
@@ -123,7 +123,7 @@ def test_rounds_due_together_move_together_and_a_failure_stays_with_its_request(
     later = RoundItem(req_id="a", block_ids=items[0].block_ids, num_tokens=per_req * bs, params=params, budget=pb,
                       seq=2)
     rep2, stats2 = {}, ContourStats()
-    rounds.run([later], ws._views, d ** -0.5, None, rep2, stats2)
+    rounds.run([later], ws.caches.views, d ** -0.5, None, rep2, stats2)
     assert isinstance(rep2["a"], Round)
     assert stats2.data["c:later_round_seconds"] == pytest.approx(stats2.data["c:policy_seconds"]
                                                                  + stats2.data["c:compact_seconds"])

@@ -44,7 +44,7 @@ class ContourScheduler(Scheduler):
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         side = self._contour_side()
-        return n if side is None else side.cap_chunk(request, num_computed_tokens, n)
+        return n if side is None else side.prefill.cap_chunk(request, num_computed_tokens, n)
 
     def schedule(self, *args, **kwargs):
         side = self._contour_side()
@@ -79,13 +79,13 @@ class ContourScheduler(Scheduler):
         if side is None:
             return blocks, n, boundary, diverged
         cap = args[0] if args else kwargs.get("max_cache_hit_length")
-        shared = side.shared_hit(request)
+        shared = side.prefill.shared_hit(request)
         if shared is not None and (cap is None or shared[1] <= cap):  # a shared compressed context: its blocks
             table, c = shared  # vLLM counts it in its prefix-cache hits and the request's cached tokens
             return self.kv_cache_manager.create_kv_cache_blocks((table,)), c, 0, False
         if n == 0:
             return blocks, n, boundary, diverged
-        m = side.limit_hit(request, n)
+        m = side.prefill.limit_hit(request, n)
         if m < n:  # limit_hit returns whole blocks
             blocks = self.kv_cache_manager.truncate_computed_blocks(blocks, m)
             n = m

@@ -42,6 +42,7 @@ from vllm_contour.integration.reconstruction.scheduler import ContextRounds, Rec
 from vllm_contour.integration.messages import ContourMetadata, ContourReport
 from vllm_contour.integration.scheduler.blocks import RequestBlocks
 from vllm_contour.integration.scheduler.dispatch import RoundDispatch
+from vllm_contour.integration.scheduler.prefill import PrefillLimits
 from vllm_contour.integration.scheduler.outcomes import RoundOutcomes
 from vllm_contour.integration.scheduler.events import SchedulerEvents
 from vllm_contour.integration.scheduler.records import Tracked
@@ -75,8 +76,10 @@ class SchedulerSide:
         # repeat_prompt: () -> RepeatPrompt, from the model's tokenizer when a context is first reconstructed
         self.recon = Reconstructions(block_size, repeat_prompt, max_model_len)
         # query_blocks: window (tokens) -> blocks its queries take in vLLM's pool (budget.query_blocks_for)
-        self.dispatch = RoundDispatch(self.blocks, self.contexts, self.events, self.recon,
+        self.context_rounds = ContextRounds(self.recon, self.blocks, self.events)  # KVzip's round work
+        self.dispatch = RoundDispatch(self.blocks, self.contexts, self.events, self.context_rounds,
                                       query_blocks or (lambda window: 1))
+        self.prefill = PrefillLimits(self)  # how much of a prefix hit and of a chunk a request may compute
 
     def bind(self, kv_cache_manager: "KVCacheManager") -> None:
         self.blocks.bind(kv_cache_manager)
@@ -84,39 +87,6 @@ class SchedulerSide:
         self.contexts.bind(kv_cache_manager.block_pool)
         if self.blocks.caching and self.config.share_contexts and self.blocks.num_groups == 1:
             self.shared.bind(kv_cache_manager)
-
-    def limit_hit(self, request: "Request", num_hit_tokens: int) -> int:
-        """How many of a new request's prefix-cache hit tokens it may use (whole blocks). A request with a
-        context boundary ``C`` still to compress computes from ``C`` on at the latest (its question must be
-        computed over the compressed context, as on an engine without prefix caching); a query-aware policy
-        whose first round is due at ``R`` (the prompt end or ``C``) also computes its window ``[R - W, R)``,
-        whose queries it scores with. Other requests use the whole hit."""
-        try:
-            if self.recon.is_companion(request.request_id):
-                return self.recon.limit_hit(request.request_id, num_hit_tokens)
-            t = self._track(request)
-            if t.params is None or num_hit_tokens == 0:
-                return num_hit_tokens
-            s = t.clock(self.block_size)
-            r = round_clock.next_round(s)
-            window_start = r - t.params.window if t.needs_queries and r is not None else None
-            return round_clock.usable_hit(num_hit_tokens, self.block_size, round_clock.context_boundary(s),
-                                          window_start)
-        except Exception:
-            return num_hit_tokens
-
-    def shared_hit(self, request: "Request"):
-        """``(block table, C)`` when a new request can adopt a shared compressed context as its prefix-cache
-        hit (same first C tokens and settings as an entry, context still to compress), else None."""
-        try:
-            t = self._track(request)
-            if t.params is None or request.num_computed_tokens or self._boundary(t) is None or \
-                    not self.manager.prefix_cache_lookup_enabled(request):  # e.g. prompt logprobs
-                return None
-            return self.contexts.hit(request, t)
-        except Exception as e:
-            self.events.fail(request.request_id, "metadata", e)
-            return None
 
     def end_schedule(self) -> None:
         self.shared.end_schedule()
@@ -137,7 +107,7 @@ class SchedulerSide:
                 t.request = request
                 t.prefill_end = t.chunk_end = request.num_tokens
                 return
-            t = self._track(request)
+            t = self.track(request)
             self._reset(t, request)
             e = self.shared.adopted(request)
             if e is not None:
@@ -153,7 +123,7 @@ class SchedulerSide:
         self.events.event("shared_hits", stat="shared_context_hits")
         self.events.stats.add("shared_context_hit_tokens", e.context_len)
 
-    def _track(self, request: "Request") -> Tracked:
+    def track(self, request: "Request") -> Tracked:
         t = self.tracked.get(request.request_id)
         if t is None:
             t = self.tracked[request.request_id] = Tracked(request, self._resolve(request))
@@ -228,28 +198,6 @@ class SchedulerSide:
         self.blocks.release_queries(t)
         self.contexts.release(t)
         self.contexts.leave(t)
-
-    def _boundary(self, t: Tracked) -> int | None:
-        """The context boundary C where the prefill stops to compress the context, while that round is
-        still to come; None otherwise (``round_clock.context_boundary``)."""
-        return None if t.params is None else round_clock.context_boundary(t.clock(self.block_size))
-
-    def cap_chunk(self, request: "Request", num_computed: int, num_new: int) -> int:
-        """How many of ``num_new`` tokens the request may compute this step: a prefill chunk never runs past
-        its context boundary (the context is compressed before the question is computed)."""
-        try:
-            # called while vLLM schedules, before the request's blocks (and update_state_after_alloc)
-            if self.recon.holding(request.request_id):  # its context's reconstruction runs: it waits
-                return 0
-            t = self._track(request)
-            if t.params is None:
-                return num_new
-            if request.num_computed_tokens == 0 and num_computed == 0:
-                t.prefill_end = request.num_tokens
-            c = self._boundary(t)
-        except Exception:
-            return num_new
-        return round_clock.cap_chunk(c, num_computed, num_new)
 
     # ------------------------------------------------------------------ every step
     def build_meta(self, scheduler_output) -> ContourMetadata:

@@ -19,15 +19,14 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_contour import ops
-from vllm_contour.budget import CacheShape
 from vllm_contour.config import EvictionConfig
 from vllm_contour.integration.messages import ContourMetadata, ContourReport, Outcome, Recompute
 from vllm_contour.integration.metrics import ContourStats
 from vllm_contour.integration.reconstruction.worker import ContextScores
+from vllm_contour.integration.worker.caches import WorkerCaches
 from vllm_contour.integration.worker.requests import QueryWindow, WorkerRequests
 from vllm_contour.integration.worker.rounds import WorkerRounds, clear_unread
-from vllm_contour.integration.worker.step import ContourStep, WindowPlan
-from vllm_contour.ops.paged import dims
+from vllm_contour.integration.worker.step import ContourStep, mispredicted, window_plan
 from vllm_contour.page_tables import RowError
 
 if TYPE_CHECKING:
@@ -39,18 +38,11 @@ logger = init_logger("vllm.contour")
 class WorkerSide:
     def __init__(self, vllm_config: "VllmConfig", config: EvictionConfig,
                  layer_names: tuple[str, ...] | None = None):
-        self.vllm_config = vllm_config
-        self.layer_names = layer_names  # the full-attention layers (a hybrid model's others are vLLM's)
         self.config = config
-        self.layer_index: dict[str, int] = {}  # the evicting layers, by name
+        self.caches = WorkerCaches(vllm_config, layer_names)
         self.requests = WorkerRequests()
         self.scores = ContextScores()
         self.rounds = WorkerRounds(self.requests, self.scores)
-        self._layer_caches: list[tuple[str, torch.Tensor]] = []
-        self._views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._shape: CacheShape | None = None
-        self._scale: float | None = None
-        self._stage_layers: tuple[int, int] | None = None
         self._report: dict[str, Outcome] = {}
         self._stats = ContourStats()
         # the step: the scheduler's message (begin_step .. after_forward), the builder's step once resolved,
@@ -60,83 +52,37 @@ class WorkerSide:
         self._step_reqs: list[str] = []
         self._errors: dict[str, str] = {}
 
+    @property
+    def layer_index(self) -> dict[str, int]:
+        return self.caches.layer_index
+
     # ------------------------------------------------------------------ start-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Every "can eviction run here" check happens here, at engine start: the cache views of the
-        attention backend in use (on CPU a layout probe: an unknown layout stops the engine with a message
-        naming dtype and ISA), one attention scale for all layers, the ops' implementations (missing C++
-        kernels: a warning, the torch reference runs); the kernel-ready page tables are made on the
-        caches' device."""
-        from vllm.model_executor.models.utils import extract_layer_index
-
+        """Every "can eviction run here" check happens here, at engine start (``caches.py``), and the ops'
+        implementations (missing C++ kernels: a warning, the torch reference runs); the kernel-ready page
+        tables are made on the caches' device."""
+        from vllm_contour.ops import cpu_ext
         from vllm_contour.page_tables import PageTables
+        from vllm_contour.policies import build_policy
 
-        named = sorted(((n, kv) for n, kv in kv_caches.items() if self.layer_names is None or n in self.layer_names),
-                       key=lambda kv: extract_layer_index(kv[0]))
-        self._layer_caches = named
-        self.layer_index = {name: i for i, (name, _) in enumerate(named)}
-        impls = self._layers()
-        views = getattr(next(iter(impls.values())).impl, "kv_views", None)
-        if views is None:
-            raise ValueError("kv_eviction: the attention backend in use is not the plugin's (another "
-                             "--attention-backend?); eviction cannot run")
-        self._views = [views(kv) for _, kv in named]
-        k0 = self._views[0][0]
-        _, heads, bs, hd = dims(k0)
-        self._shape = CacheShape.of(block_size=bs, num_kv_heads=heads, head_dim=hd, dtype=k0.dtype)
-        self._dims = dims(k0)
-        self._layer_scale()  # layers with different attention scales cannot share one round: stop here
-        # a pipeline stage's layers are a slice of the model's: depth-dependent policies see the whole model
-        # (a hybrid model's evicting layers are a subset of every stage's: they count among themselves)
-        total = getattr(self.vllm_config.model_config.hf_text_config, "num_hidden_layers", None) or len(named)
-        first = extract_layer_index(named[0][0])
-        self._stage_layers = (0, len(named)) if len(named) < len(kv_caches) else (first, max(total, first + len(named)))
-        self.requests.tables = PageTables(len(named), heads, bs, named[0][1].shape[0], device=k0.device)
-        layer = next(iter(impls.values()))
-        self.rounds.query_shape = (layer.impl.num_heads, hd, self.vllm_config.model_config.dtype)
-        self._stats.gauge("query_buffer_bound_bytes", self._outside_pool_bound(len(named), layer.impl.num_heads, hd))
+        c = self.caches
+        c.register(kv_caches)
+        k0 = c.views[0][0]
+        nb, heads, bs, hd = c.dims
+        self.requests.tables = PageTables(len(c.named), heads, bs, c.named[0][1].shape[0], device=k0.device)
+        self.rounds.query_shape = c.query_shape
+        self._stats.gauge("query_buffer_bound_bytes", c.outside_pool_bound(build_policy(self.config.policy)))
         dev = k0.device.type
         op_impls = ops.implementations(dev)
         self._stats.info("ops", op_impls)
-        from vllm_contour.ops import cpu_ext
-
         if dev == "cpu" and (op_impls["ragged_decode_attention"] == "torch" or op_impls["compact"] == "torch"):
             logger.warning("kv_eviction: the C++ kernels (vllm_contour._C) are not loaded (%s); eviction falls "
                            "back to the torch reference ops: decoding compacted requests is ~4-7x slower than "
                            "vLLM's own kernel. Reinstall with `pip install --no-build-isolation -e .` to build "
                            "them.", cpu_ext.LOAD_ERROR or "VLLM_CONTOUR_OPS_IMPL forces torch")
         logger.info("kv_eviction: worker ready (pid %d): %d layers, %d KV heads, head dim %d, block %d, %s on %s, "
-                    "key view strides %s, value %s; ops %s", os.getpid(), len(named), self._shape.num_kv_heads,
-                    self._shape.head_dim, self._shape.block_size, k0.dtype, k0.device, tuple(k0.stride()),
-                    tuple(self._views[0][1].stride()), op_impls)
-
-    def _outside_pool_bound(self, num_layers: int, num_q_heads: int, head_dim: int) -> int:
-        """Most bytes captured queries of the server's policy take outside vLLM's pool. Windows that span steps
-        go into blocks of the pool as their tokens are computed; a window computed whole in one step (a prompt's
-        end) is kept for that step's round, and a reconstruction policy's hidden requests keep their step's
-        repeat queries until after the forward: at most the step's tokens, every layer. A query-free policy
-        keeps none."""
-        from vllm_contour.policies import build_policy
-
-        pol = build_policy(self.config.policy)
-        if not (pol.needs_queries or pol.needs_reconstruction):
-            return 0
-        tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
-        return num_layers * tokens * num_q_heads * head_dim * self.vllm_config.model_config.dtype.itemsize
-
-    def _layers(self):
-        from vllm.config import get_layers_from_vllm_config
-        from vllm.model_executor.layers.attention import Attention
-
-        return get_layers_from_vllm_config(self.vllm_config, Attention, [n for n, _ in self._layer_caches])
-
-    def _layer_scale(self) -> float:
-        if self._scale is None:
-            scales = {float(layer.impl.scale) for layer in self._layers().values()}
-            if len(scales) != 1:
-                raise ValueError(f"kv_eviction: layers use different attention scales {scales}")
-            self._scale = scales.pop()
-        return self._scale
+                    "key view strides %s, value %s; ops %s", os.getpid(), len(c.named), heads, hd, bs, k0.dtype,
+                    k0.device, tuple(k0.stride()), tuple(c.views[0][1].stride()), op_impls)
 
     # ------------------------------------------------------------------ every step
     def begin_step(self, md: ContourMetadata) -> None:
@@ -200,45 +146,13 @@ class WorkerSide:
             if rows is not None and rows.block_table.device.type == "cpu":
                 rows.tables_for_cpu()
             if cap is not None:
-                step.windows = self._window_plan(cap, step.block_table.device)
+                step.windows = window_plan(cap, self.requests.requests, {it.req_id for it in self.message.recon},
+                                           self.caches, step.block_table.device)
         except Exception as e:  # never into vLLM: vLLM's kernel serves every row, compacted ones fail alone
             logger.warning("kv_eviction: metadata for compacted rows failed (%s)", e)
             step.fail(e.req_ids if isinstance(e, RowError) else self._step_reqs, f"metadata: {e}")
             return
         step.rows, step.capture = rows, cap
-
-    def _window_plan(self, cap, device) -> WindowPlan:
-        """Where the step's window queries go: into their request's window pages (each raw element's head-page
-        and element), or kept for this step's round (a window with no pages); and whether a hidden
-        reconstruction request's captures are staged for after the forward."""
-        _, h, bs, d = self._dims
-        hq, _, qdt = self.rounds.query_shape
-        per_row = hq * d * qdt.itemsize // self._shape.elem_size  # raw cache elements per query row
-        per_page = 2 * bs * d
-        hidden = {it.req_id for it in self.message.recon}
-        plan = WindowPlan()
-        rows, pages, elems = [], [], []
-        off = 0
-        for req_id, pos0, n in cap.owners:
-            rs = self.requests.requests.get(req_id)
-            win = rs.window if rs is not None else None
-            if req_id in hidden:
-                plan.keep_staged = plan.keep_staged or n > 0
-            elif win is not None and n > 0 and not win.pages:
-                plan.held.append((win, torch.arange(off, off + n, device=device), pos0 - win.start))
-                win.mark(pos0, n)
-            elif win is not None and n > 0:
-                ids = torch.tensor(win.pages, dtype=torch.int64).repeat_interleave(h) * h + torch.arange(h).repeat(
-                    len(win.pages))
-                e = torch.arange((pos0 - win.start) * per_row, (pos0 - win.start + n) * per_row)
-                pages.append(ids[e // per_page])
-                elems.append(e % per_page)
-                rows.append(torch.arange(off, off + n))
-                win.mark(pos0, n)
-            off += n
-        if rows:
-            plan.paged = (torch.cat(rows).to(device), torch.cat(pages).to(device), torch.cat(elems).to(device))
-        return plan
 
     def _release_layout(self, req_id: str) -> None:
         """Forget a request (finished, preempted, recomputed) and zero its moment pages unless a shared
@@ -248,7 +162,7 @@ class WorkerSide:
         self._clear_unread(rs.layout if rs is not None else None, req_id)
 
     def _clear_unread(self, layout, owner: str) -> None:
-        clear_unread(self._views, self.requests, layout, owner)
+        clear_unread(self.caches.views, self.requests, layout, owner)
 
     def after_forward(self) -> None:
         md, step = self.message, self.step
@@ -261,8 +175,8 @@ class WorkerSide:
             except Exception as e:
                 logger.warning("kv_eviction: could not store captured queries (%s)", e)
             self._check_prediction(md, step)
-            self.rounds.run(list(md.rounds), self._views, self._layer_scale() if md.rounds else 0.0,
-                            self._stage_layers, self._report, self._stats)
+            self.rounds.run(list(md.rounds), self.caches.views, self.caches.scale() if md.rounds else 0.0,
+                            self.caches.stage_layers, self._report, self._stats)
             for it in md.rounds:  # the round read its window: its pages go back to vLLM's pool
                 rs = self.requests.requests.get(it.req_id)
                 if rs is not None:
@@ -281,20 +195,10 @@ class WorkerSide:
     def _check_prediction(self, md: ContourMetadata, step: ContourStep | None) -> None:
         """A row the builder shortened for vLLM's kernel by prediction that the message does not make a
         compacted request's has a wrong output this step: its request fails alone (never expected)."""
-        bad = step.mispredicted() if step is not None else None
-        if bad is None:
+        if step is None or step.predicted is None:
             return
         self._stats.add("predicted_rows", int(step.predicted.sum()))
-        if not bool(bad.any()):
-            return
-        b = step.num_reqs
-        qsl = step.query_start_loc[: b + 1].to(torch.int64)
-        first = step.seq_lens[:b].to(torch.int64) - (qsl[1:] - qsl[:-1])
-        col = (first // self._shape.block_size).clamp(0, step.block_table.shape[1] - 1)
-        key = step.block_table[:b].gather(1, col.view(-1, 1)).squeeze(1)
-        by_key = {k: r for r, k in md.row_keys.items()}
-        for row in bad.nonzero().squeeze(1).tolist():
-            req_id = by_key.get(int(key[row]))
+        for row, req_id in mispredicted(step, md.row_keys, self.caches.shape.block_size):
             logger.warning("kv_eviction: row %d (%s) was given a short context for vLLM's kernel but is not a "
                            "compacted request's", row, req_id)
             self._stats.add("mispredicted_rows", 1)
@@ -315,7 +219,7 @@ class WorkerSide:
             if item is not None and n > 0:
                 try:
                     self.scores.fold(item, torch.arange(pos0, pos0 + n, device=stacked.device),
-                                     stacked[:, off: off + n], self._views, self._layer_scale())
+                                     stacked[:, off: off + n], self.caches.views, self.caches.scale())
                 except Exception as e:  # the owner's round then fails to plan: it is served densely
                     logger.warning("kv_eviction: %s: reconstruction scores failed (%s)", item.owner, e)
                     self.scores.drop_owner(item.owner)

@@ -129,3 +129,52 @@ def with_step(cls, md, step: ContourStep | None):
     out.__dict__.update(md.__dict__)
     out.contour = step
     return out
+
+
+def window_plan(cap: CaptureWindows, requests: dict, hidden: set[str], caches, device) -> WindowPlan:
+    """Where a step's captured queries go: into their request's window pages (each raw element's head-page
+    and element in it), or kept for this step's round (a window with no pages); and whether a hidden
+    reconstruction request's (``hidden``) captures are staged for after the forward. ``requests``: the
+    worker's request states (their ``window``); ``caches``: the worker's caches (``caches.py``)."""
+    _, h, bs, d = caches.dims
+    hq, _, qdt = caches.query_shape
+    per_row = hq * d * qdt.itemsize // caches.shape.elem_size  # raw cache elements per query row
+    per_page = 2 * bs * d
+    plan = WindowPlan()
+    rows, pages, elems = [], [], []
+    off = 0
+    for req_id, pos0, n in cap.owners:
+        rs = requests.get(req_id)
+        win = rs.window if rs is not None else None
+        if req_id in hidden:
+            plan.keep_staged = plan.keep_staged or n > 0
+        elif win is not None and n > 0 and not win.pages:
+            plan.held.append((win, torch.arange(off, off + n, device=device), pos0 - win.start))
+            win.mark(pos0, n)
+        elif win is not None and n > 0:
+            ids = torch.tensor(win.pages, dtype=torch.int64).repeat_interleave(h) * h + torch.arange(h).repeat(
+                len(win.pages))
+            e = torch.arange((pos0 - win.start) * per_row, (pos0 - win.start + n) * per_row)
+            pages.append(ids[e // per_page])
+            elems.append(e % per_page)
+            rows.append(torch.arange(off, off + n))
+            win.mark(pos0, n)
+        off += n
+    if rows:
+        plan.paged = (torch.cat(rows).to(device), torch.cat(pages).to(device), torch.cat(elems).to(device))
+    return plan
+
+
+def mispredicted(step: ContourStep, row_keys: dict[str, int], block_size: int) -> list[tuple[int, str | None]]:
+    """``(row, request)`` of the rows the builder shortened by prediction that the step's message does not make
+    compacted (their vLLM output is wrong), the request found by its row key (None: not found)."""
+    bad = step.mispredicted()
+    if bad is None or not bool(bad.any()):
+        return []
+    b = step.num_reqs
+    qsl = step.query_start_loc[: b + 1].to(torch.int64)
+    first = step.seq_lens[:b].to(torch.int64) - (qsl[1:] - qsl[:-1])
+    col = (first // block_size).clamp(0, step.block_table.shape[1] - 1)
+    key = step.block_table[:b].gather(1, col.view(-1, 1)).squeeze(1)
+    by_key = {k: r for r, k in row_keys.items()}
+    return [(row, by_key.get(int(key[row]))) for row in bad.nonzero().squeeze(1).tolist()]
