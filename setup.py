@@ -12,10 +12,12 @@ Environment:
   VLLM_CONTOUR_NO_EXT=1            skip the extension
   VLLM_CONTOUR_EXT_REQUIRED=1      fail the install when the extension does not build (default: warn and
                                    install without it)
-  VLLM_CONTOUR_CPU_ARCH="..."      target flags, default ``-march=native`` (the extension is built on the
-                                   machine that runs it); e.g. ``-mavx2 -mfma -mf16c``, or ``""`` for a
-                                   portable build (e.g. a wheel for other machines)
-  MAX_JOBS=N                       parallel compile jobs (one source file: 1 is enough)
+  VLLM_CONTOUR_CPU_ARCH="..."      baseline target flags, default ``-march=x86-64-v2``: the build runs on any
+                                   x86-64-v2 machine whatever machine built it. The AVX2, AVX-512, AVX512_BF16
+                                   and AMX kernels are compiled on every machine anyway (csrc/isa_*.cpp turn
+                                   their instructions on per file) and picked at run time by CPU features
+                                   (``torch.ops.vllm_contour.cpu_isa()``; VLLM_CONTOUR_CPU_ISA caps the level)
+  MAX_JOBS=N                       parallel compile jobs (five source files; default: every core)
 """
 
 import os
@@ -31,12 +33,17 @@ if os.environ.get("VLLM_CONTOUR_NO_EXT", "0") != "1":
         print("vllm-contour: torch is not importable in the build environment; installing without the C++ "
               "kernels (vllm_contour._C)", file=sys.stderr)
     else:
-        arch = os.environ.get("VLLM_CONTOUR_CPU_ARCH", "-march=native").split()
+        arch = os.environ.get("VLLM_CONTOUR_CPU_ARCH", "-march=x86-64-v2").split()
         ext_modules.append(
             CppExtension(
                 name="vllm_contour._C",
-                sources=["csrc/contour_ops.cpp"],
-                extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", *arch],
+                # the kernels (csrc/kernels.inc) once per ISA level (csrc/contour.h) and the op front end; the
+                # longest compile first (parallel jobs end together)
+                sources=["csrc/isa_avx512.cpp", "csrc/isa_avx2.cpp", "csrc/isa_generic.cpp", "csrc/contour_ops.cpp",
+                         "csrc/isa_avx512_bf16.cpp"],
+                depends=["csrc/contour.h", "csrc/kernels.inc"],  # (into an sdist too)
+                # -g0: no debug info (Python's CFLAGS ask for -g: about a fifth of the compile time, most of the .so)
+                extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-g0", *arch],
                 extra_link_args=["-fopenmp"],
                 optional=os.environ.get("VLLM_CONTOUR_EXT_REQUIRED", "0") != "1",
             )

@@ -1,15 +1,22 @@
-"""The C++/OpenMP CPU kernels (``vllm_contour._C``, source ``csrc/contour_ops.cpp``) behind the dispatch.
+"""The C++/OpenMP CPU kernels (``vllm_contour._C``, sources ``csrc/``) behind the dispatch.
 
 ``setup.py`` builds the module at install time; importing it registers ``torch.ops.vllm_contour.{compact,
-accumulate_moments, ragged_decode_attention}`` (CPU dispatch key). When it is missing (e.g. installed with
-``VLLM_CONTOUR_NO_EXT=1``) nothing is registered and the ops fall back to the other implementations;
-``VLLM_CONTOUR_JIT_EXT=1`` (or :func:`load` with ``jit=True``, used by the tests) compiles it from a source
-checkout with ``torch.utils.cpp_extension.load`` into a cached build directory instead.
+accumulate_moments, ragged_decode_attention, gather_pages}`` (CPU dispatch key). When it is missing (e.g.
+installed with ``VLLM_CONTOUR_NO_EXT=1``) nothing is registered and the ops fall back to the other
+implementations; ``VLLM_CONTOUR_JIT_EXT=1`` (or :func:`load` with ``jit=True``, used by the tests) compiles it
+from a source checkout with ``torch.utils.cpp_extension.load`` into a cached build directory instead.
+
+The module is built for a portable baseline (x86-64-v2) with the kernels compiled once per ISA level
+(``generic``, ``avx2``, ``avx512``, ``avx512_bf16``, ``amx``; ``csrc/contour.h``) whatever machine builds it;
+the ops run the best level this CPU allows (:func:`isa`), at most ``VLLM_CONTOUR_CPU_ISA=<level>``
+(``VLLM_CONTOUR_NO_AMX=1``: at most ``avx512_bf16``), or the level :func:`set_isa` / :func:`forced_isa` asks
+for (the tests run every level the CPU has).
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -18,19 +25,23 @@ from . import register_impl
 from .paged import dims
 
 _REPO = Path(__file__).resolve().parents[2]
-SOURCES = [_REPO / "csrc" / "contour_ops.cpp"]
+# the kernels (csrc/kernels.inc) compiled once per ISA level (csrc/contour.h) and the op front end (setup.py's)
+SOURCES = [_REPO / "csrc" / f for f in ("isa_avx512.cpp", "isa_avx2.cpp", "isa_generic.cpp", "contour_ops.cpp",
+                                         "isa_avx512_bf16.cpp")]
 _mod = None
 # Why the compiled kernels are not loaded (None when they are): logged by the engine at start-up.
 LOAD_ERROR: str | None = None
+# The shared library the kernels were loaded from (vllm_contour._C's file or the JIT build's), once loaded.
+LIBRARY: str | None = None
 
 
 def _cflags() -> list[str]:
-    arch = os.environ.get("VLLM_CONTOUR_CPU_ARCH", "-march=native").split()
+    arch = os.environ.get("VLLM_CONTOUR_CPU_ARCH", "-march=x86-64-v2").split()
     return ["-O3", "-fopenmp", "-fno-math-errno", *arch]
 
 
 def jit_build(build_dir: str | os.PathLike | None = None, verbose: bool = False) -> str:
-    """Compile ``csrc/contour_ops.cpp`` with ``torch.utils.cpp_extension.load`` and load it into
+    """Compile ``csrc/`` (:data:`SOURCES`) with ``torch.utils.cpp_extension.load`` and load it into
     ``torch.ops.vllm_contour`` (cached: with unchanged sources a second call only loads the library).
     Returns the library path."""
     from torch.utils.cpp_extension import load as _load
@@ -55,15 +66,16 @@ def _have_ops() -> bool:
 def load(jit: bool | None = None):
     """``torch.ops.vllm_contour`` once the compiled kernels are loaded (registering them in the dispatch),
     else None. ``jit=None`` reads ``VLLM_CONTOUR_JIT_EXT``."""
-    global _mod, LOAD_ERROR
+    global _mod, LOAD_ERROR, LIBRARY
     if _mod is not None:
         return _mod
     try:
         from vllm_contour import _C  # noqa: F401  (registers torch.ops.vllm_contour.*)
+        LIBRARY = _C.__file__
     except ImportError as e:
         LOAD_ERROR = f"vllm_contour._C does not import: {e}"
     if not _have_ops() and (jit if jit is not None else os.environ.get("VLLM_CONTOUR_JIT_EXT") == "1"):
-        jit_build()
+        LIBRARY = jit_build()
     if _have_ops():
         _register(torch.ops.vllm_contour)
         LOAD_ERROR = None
@@ -118,4 +130,60 @@ except Exception as _e:  # a broken build must not break the package: fall back 
     _mod = None
     LOAD_ERROR = f"{type(_e).__name__}: {_e}"
 
-__all__ = ["load", "jit_build", "SOURCES"]
+
+# ---------------------------------------------------------------------------------------------- ISA levels
+LEVELS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")  # lowest first
+
+
+def _ops():
+    if _mod is None:
+        raise RuntimeError(f"the C++ kernels are not loaded ({LOAD_ERROR or 'call load() first'})")
+    if not hasattr(_mod, "cpu_isa"):
+        raise RuntimeError("vllm_contour._C predates csrc/ (no cpu_isa op): rebuild it (bash scripts/setup.sh, or "
+                           "pip install --no-build-isolation -e .)")
+    return _mod
+
+
+def isa() -> str | None:
+    """The ISA level the C++ ops run at now (None when they are not loaded)."""
+    return str(_ops().cpu_isa()) if _mod is not None else None
+
+
+def isas() -> list[str]:
+    """Every level compiled into the loaded module (all of :data:`LEVELS`, whatever machine built it)."""
+    return [str(x) for x in _ops().cpu_isas()]
+
+
+def missing(level: str) -> str:
+    """What this CPU lacks to run ``level`` (GCC's feature names, e.g. ``"amx-tile amx-bf16"``); "" if nothing."""
+    return str(_ops().cpu_isa_missing(level))
+
+
+def set_isa(level: str) -> str:
+    """Run the ops at ``level`` from now on (``"auto"``: the default again); raises where the CPU lacks it.
+    Returns the level it replaces."""
+    return str(_ops().set_cpu_isa(level))
+
+
+@contextmanager
+def forced_isa(level: str):
+    """The ops at ``level`` inside the block, the previous level after it."""
+    before = set_isa(level)
+    try:
+        yield level
+    finally:
+        set_isa(before)
+
+
+def describe() -> str:
+    """One line: the level the ops run at and how decode reads vLLM's pages there, the levels this CPU runs
+    and those compiled in (for logs and the test summary)."""
+    o = _ops()
+    runs = [lv for lv in isas() if not missing(lv)]
+    return (f"ISA level {o.cpu_isa()} (decode path: AMX pages {o.decode_path('amx')}, vec pages "
+            f"{o.decode_path('vec')}); this CPU runs {', '.join(runs)}; compiled: {', '.join(isas())} "
+            f"(baseline {o.cpu_baseline()})")
+
+
+__all__ = ["load", "jit_build", "SOURCES", "LIBRARY", "LEVELS", "isa", "isas", "missing", "set_isa", "forced_isa",
+           "describe"]
