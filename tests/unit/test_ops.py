@@ -8,7 +8,6 @@ The C++ kernels come from the installed ``vllm_contour._C``, else they are JIT-c
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import warnings
@@ -408,7 +407,8 @@ def test_ops_agree_across_layouts(cpp, dtype):
 def test_decode_on_the_amx_packing_at_vllms_block_size(cpp, dtype, d, g):
     """vLLM's AMX packing at block 32, head dims 64 and 128 (16-token key groups inside a page, value token
     pairs; the kernel's bf16 pair path: AMX tiles or AVX-512 for the logits, query groups of 1 to 8, split
-    into passes of up to 4), partial pages of odd lengths, moments on: equals the reference."""
+    into passes of up to 4), partial pages of odd lengths, moments on: equals the reference. This runs the
+    default ISA level; test_cpu_paths.py runs every level this CPU has."""
     from vllm_contour.ops.cpu_layout import PageLayout, cpu_kv_views
 
     bs, G = 32, g
@@ -447,23 +447,6 @@ def test_decode_on_the_amx_packing_reads_nothing_past_a_rows_length(cpp, n):
     got_o, _ = ops.ragged_decode_attention(q, k, v, pt, sl, d ** -0.5, impl=cpp, need_lse=True)
     assert torch.isfinite(want_o).all() and kv.isnan().any() == (n % bs != 0)
     torch.testing.assert_close(got_o.float(), want_o.float(), **tol(torch.bfloat16))
-
-
-def test_decode_without_amx_tiles_in_a_child_process(cpp):
-    """Where AMX tiles are usable the pair path's logits come from them; the AVX-512 path that machines
-    without AMX run is checked here too: the AMX-packing tests again in a child process with the tiles
-    turned off (``VLLM_CONTOUR_NO_AMX=1``), which must report a path other than AMX."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, VLLM_CONTOUR_NO_AMX="1")
-    path = subprocess.run([sys.executable, "-c", "import torch, vllm_contour.ops.cpu_ext as c; c.load(jit=True); "
-                           "print(torch.ops.vllm_contour.decode_path())"], capture_output=True, text=True, env=env,
-                          cwd=root, timeout=300)
-    assert path.returncode == 0 and path.stdout.split()[-1] in ("avx512_bf16", "avx512", "generic"), path
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_ops.py",
-                        "-k", "amx_packing"], capture_output=True, text=True, env=env, cwd=root, timeout=600)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_moments_storage_round_trips_on_every_layout():
