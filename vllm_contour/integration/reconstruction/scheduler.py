@@ -37,9 +37,8 @@ from vllm_contour.integration.messages import CaptureItem, ReconItem, RoundItem,
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-    from vllm_contour.integration.scheduler.blocks import RequestBlocks
-    from vllm_contour.integration.scheduler.events import SchedulerEvents
-    from vllm_contour.integration.scheduler.records import Tracked
+# The scheduler side's records (``Tracked``), a request's blocks (``RequestBlocks``) and the event counter
+# (``SchedulerEvents``) are passed in: this component sits below the scheduler side and imports none of it.
 
 # (request, tokens, the step's rounds, context scores) -> dispatched (False: no room now)
 Dispatch = Callable[["Tracked", int, list, "ScoresRef | None"], bool]

@@ -79,7 +79,9 @@ class SchedulerSide:
         self.context_rounds = ContextRounds(self.recon, self.blocks, self.events)  # KVzip's round work
         self.dispatch = RoundDispatch(self.blocks, self.contexts, self.events, self.context_rounds,
                                       query_blocks or (lambda window: 1))
-        self.prefill = PrefillLimits(self)  # how much of a prefix hit and of a chunk a request may compute
+        # how much of a prefix hit and of a chunk a request may compute
+        self.prefill = PrefillLimits(self.track, self.recon, self.contexts, self.events, block_size,
+                                     lambda: self.manager)
 
     def bind(self, kv_cache_manager: "KVCacheManager") -> None:
         self.blocks.bind(kv_cache_manager)

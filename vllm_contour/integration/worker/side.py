@@ -123,7 +123,7 @@ class WorkerSide:
     def new_step(self, cm) -> ContourStep:
         """The evicting group's builder's step: resolved now when the step's message is here (vLLM's V1
         model runner), else predicted and resolved by the first layer (Model Runner V2)."""
-        step = ContourStep(self, cm)
+        step = ContourStep(self.resolve, self.caches.layer_index, cm)
         if self.message is not None:
             step.resolve()
         elif self.requests.tables is not None and len(self.requests.tables):

@@ -14,22 +14,20 @@ tables' prediction (``PageTables.predict``) when the builder runs before the mes
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
 from vllm_contour import ops
 from vllm_contour.page_tables import CaptureWindows, StepRows
 
-if TYPE_CHECKING:
-    from vllm_contour.integration.worker.side import WorkerSide
-
-
 class ContourStep:
-    """The batch of one step as the evicting group's builder saw it, and what it resolves to."""
+    """The batch of one step as the evicting group's builder saw it, and what it resolves to.
+    ``resolve_with(step)``: the worker side's resolution (it fills ``rows``, ``capture``, ``windows``);
+    ``layer_index``: the evicting layers, by name."""
 
-    def __init__(self, worker: "WorkerSide", cm):
-        self.worker = worker
+    def __init__(self, resolve_with: Callable[["ContourStep"], None], layer_index: dict[str, int], cm):
+        self._resolve_with, self._layer_index = resolve_with, layer_index
         self.query_start_loc = cm.query_start_loc
         self.seq_lens = cm.seq_lens
         self.block_table = cm.block_table_tensor
@@ -46,12 +44,12 @@ class ContourStep:
 
     def layer(self, layer_name: str) -> int | None:
         """The layer's index among the evicting layers (None: not one of them)."""
-        return self.worker.layer_index.get(layer_name)
+        return self._layer_index.get(layer_name)
 
     def resolve(self) -> tuple[StepRows | None, CaptureWindows | None]:
         if not self.resolved:
             self.resolved = True
-            self.worker.resolve(self)
+            self._resolve_with(self)
         return self.rows, self.capture
 
     def stock_seq_lens(self, seq_lens: torch.Tensor) -> torch.Tensor | None:
