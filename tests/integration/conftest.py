@@ -116,7 +116,7 @@ def evicting_bf16(model_dir):
                                                                                 "budget": 128}}),
                       ["greedy", "greedy_none", "free_blocks", "preempt_abort"],
                       greedy_extra_args={"kv_budget": 100000}, free_cases=[[2000, None], [1000, {"kv_budget": 256}]],
-                      pa_extra_cycle=[{"kv_decode_interval": 32}, {"kv_policy": "none"}])
+                      pa_requests=16, pa_extra_cycle=[{"kv_decode_interval": 32}, {"kv_policy": "none"}])
 
 
 @pytest.fixture(scope="session")
@@ -163,7 +163,7 @@ def evicting(model_dir):
                       greedy_extra_args={"kv_budget": 100000}, long_extra_args={"kv_budget": 1024},
                       free_cases=[[2000, {"kv_policy": "adakv"}], [2000, {"kv_policy": "streaming"}],
                                   [1000, {"kv_budget": 256}]],
-                      pa_extra_cycle=[{"kv_decode_interval": 32}, {"kv_policy": "none"}],
+                      pa_requests=16, pa_extra_cycle=[{"kv_decode_interval": 32}, {"kv_policy": "none"}],
                       formula_cases=FORMULA_CASES, stream_keep_args={"kv_budget": 100000}, cb_aligned=896)
 
 
@@ -292,7 +292,7 @@ def evicting_mrv2(model_dir):
                                              additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
                       ["greedy", "greedy_evicted", "decode_bound", "context_boundary", "preempt_abort"],
                       mrv2=True, env=MRV2, greedy_extra_args={"kv_budget": 100000},
-                      pa_extra_cycle=[{"kv_decode_interval": 32}, {"kv_policy": "none"}], cb_aligned=896)
+                      pa_requests=16, pa_extra_cycle=[{"kv_decode_interval": 32}, {"kv_policy": "none"}], cb_aligned=896)
 
 
 @pytest.fixture(scope="session")

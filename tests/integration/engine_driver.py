@@ -319,6 +319,7 @@ def run_preempt_abort(llm, spec, res):
     step, finished = 0, set()
     held: dict[str, list[int]] = {}
     preempted: dict[str, int] = {}
+    deferred: dict[str, set[int]] = {}
     while engine.has_unfinished_requests():
         outs = engine.step()
         step += 1
@@ -330,6 +331,11 @@ def run_preempt_abort(llm, spec, res):
         for rid, n in _held(llm).items():
             if rid in evicting:
                 held.setdefault(rid, []).append(n)
+        # rounds put off because the pool had no room for their window queries (the points they went to)
+        if sched.connector is not None:
+            for rid, t in sched.connector.scheduler_side.tracked.items():
+                if t.defer_to:
+                    deferred.setdefault(rid.split("-")[0], set()).add(t.defer_to)
         # count every request's preemptions while it is alive
         for r in sched.requests.values():
             preempted[r.request_id.split("-")[0]] = r.num_preemptions
@@ -342,6 +348,7 @@ def run_preempt_abort(llm, spec, res):
     res["preempt_abort"] = {
         "preemptions": sum(preempted.values()), "preempted": preempted, "evicting": sorted(evicting),
         "held": held, "aborted": sorted(to_abort), "finished": len(finished),
+        "deferred": {r: len(v) for r, v in deferred.items()},
         "free_end": pool.free_block_queue.num_free_blocks, "num_blocks": pool.num_gpu_blocks,
         "requests_left": len(sched.requests),
         "worker_requests_left": sorted(st.requests), "worker_layouts_left": sorted(st.compacted()),
@@ -500,19 +507,20 @@ def run_decode_bound(llm, spec, res):
     sched = _core(llm).scheduler
     pool = sched.kv_cache_manager.block_pool
     # the test's own reading of vLLM's pool at the moment the plugin samples it (the scheduler has allocated
-    # the step's blocks and is about to hand the step to the workers)
+    # the step's blocks, the plugin has taken the blocks of the windows it starts capturing)
     during: dict[str, list[int]] = {f"B{i}": [] for i in range(len(cases))}
     conn = sched.connector
     if conn is not None:
         orig_meta = conn.build_connector_meta
 
         def build_connector_meta(scheduler_output):
+            meta = orig_meta(scheduler_output)  # takes the blocks of the windows this step starts capturing
             held = _held(llm)
             for rid in scheduler_output.num_scheduled_tokens:
                 key = rid.split("-")[0]
                 if key in during:
                     during[key].append(held[key])
-            return orig_meta(scheduler_output)
+            return meta
 
         conn.build_connector_meta = build_connector_meta
 

@@ -58,7 +58,7 @@ def test_context_boundary_equals_v1s(evicting, evicting_mrv2):
 def test_preemption_and_aborts_equal_v1s_and_leave_nothing(evicting, evicting_mrv2):
     v1, v2 = evicting["preempt_abort"], evicting_mrv2["preempt_abort"]
     assert v2["preemptions"] > 0 and v2["failures"] == {}
-    for key in ("held", "preempted", "request_rounds", "rounds", "finished"):
+    for key in ("held", "preempted", "deferred", "request_rounds", "rounds", "finished"):
         assert v2[key] == v1[key], key
     assert v2["free_end"] == v2["num_blocks"] - 1 and v2["requests_left"] == 0 and v2["manager_reqs_left"] == 0
     assert v2["worker_requests_left"] == [] and v2["worker_layouts_left"] == []
