@@ -138,12 +138,17 @@ def test_query_bytes_outside_the_pool_do_not_grow_with_max_num_seqs(tmp_path_fac
     base, log, proc = _start(tmp_path_factory, "serve_knorm", ["--kv-eviction-policy", "knorm", "--max-num-seqs",
                                                                "1024"])
     try:
-        assert _gauge(base, "vllm:contour_query_buffer_bound_bytes") == 0
-        code, out = _post(base + "/v1/completions", {"model": "smollm2", "prompt": _story(300), "max_tokens": 4,
+        code, out = _post(base + "/v1/completions", {"model": "smollm2", "prompt": _story(150), "max_tokens": 4,
                                                      "temperature": 0})
         assert code == 200 and out["choices"][0]["text"]
+        # the worker's gauges reach /metrics with its first step's report: read them after a request
+        assert _gauge(base, "vllm:contour_query_buffer_bound_bytes") == 0
     finally:
         _stop(proc)
+    for other in (plain_server[0], moment_server[0]):
+        code, _ = _post(other + "/v1/completions", {"model": "smollm2", "prompt": "Hello", "max_tokens": 2,
+                                                     "temperature": 0})
+        assert code == 200
     at_1024 = _gauge(plain_server[0], "vllm:contour_query_buffer_bound_bytes")
     at_256 = _gauge(moment_server[0], "vllm:contour_query_buffer_bound_bytes")
     # SmolLM2: 30 layers x 2,048 batched tokens (vLLM's CPU server default) x 9 query heads x 64 x fp32

@@ -137,19 +137,27 @@ def read_page_elems_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, page
 def write_page_elems_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, page_ids: torch.Tensor,
                          elems: torch.Tensor, values: torch.Tensor) -> None:
     """Write raw elements ``values [n]`` (cache-width integers) at element ``elems [n]`` of head-page
-    ``page_ids [n]`` (each its own page; a page's elements in ``read_page_elems`` order), leaving the rest of
-    those pages as they were. Through the logical views: any layout they express."""
+    ``page_ids [n]`` (a page's elements in ``read_page_elems`` order: its keys ``[bs, D]``, then its values),
+    leaving every other element as it was: one scatter per cache, no page read back (a decode step writes a
+    few elements of many pages in every layer). Through the logical views: any layout they express."""
     if page_ids.numel() == 0:
         return
     _, h, bs, d = dims(key_cache)
     it = _INT_OF[key_cache.element_size()]
-    uniq, inv = torch.unique(page_ids.to(torch.int64), return_inverse=True)
-    buf = _page_elems(key_cache, value_cache, uniq)  # [U, 2*bs*D]
-    buf[inv, elems.to(torch.int64)] = values.to(buf.dtype)
-    buf = buf.view(-1, 2, bs, d)
-    blk, lane = _split(uniq, h)
-    set_pages(key_cache.view(it), blk, lane, buf[:, 0])
-    set_pages(value_cache.view(it), blk, lane, buf[:, 1])
+    e = elems.to(torch.int64)
+    blk, lane = _split(page_ids, h)
+    is_v = e >= bs * d
+    rem = e - is_v.to(torch.int64) * (bs * d)
+    t, c = rem // d, rem % d
+    vals = values.to(it)
+    for cache, m in ((key_cache, ~is_v), (value_cache, is_v)):
+        cv = cache.view(it)
+        if cv.dim() == 4:
+            cv[blk[m], lane[m], t[m], c[m]] = vals[m]
+        else:
+            tg, dg = cv.shape[3], cv.shape[5]
+            tm, cm = t[m], c[m]
+            cv[blk[m], lane[m], tm // tg, tm % tg, cm // dg, cm % dg] = vals[m]
 
 
 def moment_page_rows(packed: torch.Tensor, num_pages: int, block_size: int, head_dim: int,
