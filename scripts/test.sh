@@ -9,7 +9,7 @@ export VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$PWD/.cache/vllm}
 export TMPDIR=${TMPDIR:-/tmp}
 set +e
-python -m pytest -q -rs "$@"
+python -m pytest -q -rs --durations=25 "$@"   # the slowest 25: where the suite's time goes
 rc=$?
 set -e
 # pytest exit 5 = no tests collected (e.g. a -k filter that matches nothing): not a failure of the suite.

@@ -40,6 +40,14 @@ BASE_LLM = dict(dtype="float32", enforce_eager=True, block_size=32, enable_prefi
                 max_model_len=3072, num_gpu_blocks_override=100, max_num_seqs=64, seed=0)
 
 
+# The decode-bound scenario: a long prompt with a long answer, a short prompt with a long answer, and one at a
+# budget that is not a whole number of blocks (decode-time rounds every 64 tokens)
+BOUND_CASES = [[1200, 400], [80, 400], [80, 300, {"kv_budget": 200}]]
+# The preemption scenario: 16 prompts of 500 tokens generating 120 each in a 100-block pool (every other one
+# dense), so vLLM preempts evicting requests in the middle of their decode-time rounds
+PREEMPT = dict(pa_requests=16, pa_max_tokens=120, pa_extra_cycle=[{"kv_decode_interval": 32}, {"kv_policy": "none"}])
+
+
 def run_engine(name: str, llm_kwargs: dict, scenarios: list[str], env: dict | None = None,
                expect_failure: bool = False, **spec_extra) -> dict:
     """``spec_extra``: the scenarios' settings, and ``mrv2=True`` for vLLM's Model Runner V2 (with ``MRV2`` in
@@ -116,7 +124,7 @@ def evicting_bf16(model_dir):
                                                                                 "budget": 128}}),
                       ["greedy", "greedy_none", "free_blocks", "preempt_abort"],
                       greedy_extra_args={"kv_budget": 100000}, free_cases=[[2000, None], [1000, {"kv_budget": 256}]],
-                      pa_requests=16, pa_extra_cycle=[{"kv_decode_interval": 32}, {"kv_policy": "none"}])
+                      **PREEMPT)
 
 
 @pytest.fixture(scope="session")
@@ -163,8 +171,8 @@ def evicting(model_dir):
                       greedy_extra_args={"kv_budget": 100000}, long_extra_args={"kv_budget": 1024},
                       free_cases=[[2000, {"kv_policy": "adakv"}], [2000, {"kv_policy": "streaming"}],
                                   [1000, {"kv_budget": 256}]],
-                      pa_requests=16, pa_extra_cycle=[{"kv_decode_interval": 32}, {"kv_policy": "none"}],
-                      formula_cases=FORMULA_CASES, stream_keep_args={"kv_budget": 100000}, cb_aligned=896)
+                      **PREEMPT,
+                      formula_cases=FORMULA_CASES, bound_cases=BOUND_CASES, stream_keep_args={"kv_budget": 100000}, cb_aligned=896)
 
 
 @pytest.fixture(scope="session")
@@ -291,8 +299,8 @@ def evicting_mrv2(model_dir):
     return run_engine("snapkv128_mrv2", dict(BASE_LLM, model=model_dir,
                                              additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
                       ["greedy", "greedy_evicted", "decode_bound", "context_boundary", "preempt_abort"],
-                      mrv2=True, env=MRV2, greedy_extra_args={"kv_budget": 100000},
-                      pa_requests=16, pa_extra_cycle=[{"kv_decode_interval": 32}, {"kv_policy": "none"}], cb_aligned=896)
+                      mrv2=True, env=MRV2, greedy_extra_args={"kv_budget": 100000}, bound_cases=BOUND_CASES,
+                      **PREEMPT, cb_aligned=896)
 
 
 @pytest.fixture(scope="session")

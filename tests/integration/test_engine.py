@@ -191,7 +191,7 @@ def test_fast_ops_give_the_torch_reference_greedy_tokens(evicting, evicting_torc
 
 
 def test_blocks_held_stay_within_budget_plus_interval_at_every_step(evicting):
-    """A 1,200-token prompt generating 700 tokens, an 80-token prompt generating 700 (both at 128 tokens per
+    """A 1,200-token prompt generating 400 tokens, an 80-token prompt generating 400 (both at 128 tokens per
     head) and an 80-token prompt generating 300 at 200 tokens per head (not a whole number of blocks), T = 64,
     together. After every engine step vLLM's own used-block count (its free queue) is exactly the blocks the
     three hold, and each holds at most budget.py's bound, which each reaches: N // bs + T // bs, and for budget

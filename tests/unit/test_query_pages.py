@@ -150,3 +150,24 @@ def test_with_no_room_for_the_window_a_decode_time_round_is_put_off_by_a_window(
     from vllm_contour.round_clock import next_round
 
     assert next_round(t.clock(BS)) == 192
+
+
+@pytest.mark.parametrize("policy, needs_queries", [("knorm", False), ("streaming", False), ("keydiff", False),
+                                                   ("snapkv", True), ("kvzip", True)])
+@pytest.mark.parametrize("max_num_seqs", [256, 1024])
+def test_query_bytes_outside_the_pool_are_bounded_by_the_steps_tokens(policy, needs_queries, max_num_seqs):
+    """What the worker reports at start-up (``vllm:contour_query_buffer_bound_bytes``): a query-free policy keeps
+    no query outside vLLM's pool; one that reads queries keeps at most one step's tokens of them, every layer,
+    whatever ``--max-num-seqs`` is (8B-like shape: 32 layers, 32 query heads of 128, bf16, 8,192 tokens)."""
+    from vllm.config import SchedulerConfig, VllmConfig
+
+    from vllm_contour.integration.worker.caches import WorkerCaches
+    from vllm_contour.policies import build_policy
+
+    sched = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=max_num_seqs, max_model_len=8192,
+                            is_encoder_decoder=False)
+    c = WorkerCaches(VllmConfig(scheduler_config=sched))
+    c.named = [(f"model.layers.{i}.self_attn.attn", None) for i in range(32)]
+    c.query_shape = (32, 128, torch.bfloat16)
+    want = 32 * 8192 * 32 * 128 * 2 if needs_queries else 0  # 2 GiB at 8,192 batched tokens
+    assert c.outside_pool_bound(build_policy(policy)) == want
