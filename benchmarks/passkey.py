@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import stamp
+from benchmarks import serving, stamp
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -103,7 +103,7 @@ def run(args) -> dict:
            "context": args.context, "dtype": args.dtype, "results": {}, "seconds": 0.0,
            "runner": f"{type(runner).__module__}.{type(runner).__name__}",
            "date": time.strftime("%Y-%m-%d"),
-           "machine": os.uname().nodename}
+           "machine": os.uname().nodename, "host": serving.machine()}
     out_json = Path(args.out) / "passkey.json"
     if args.resume and out_json.exists():
         old = json.loads(out_json.read_text())

@@ -465,7 +465,7 @@ def run_parallel(llm, spec, res):
 
 
 def run_greedy_long(llm, spec, res):
-    """5 prompts generating 256 tokens each, together (they fit the 100-block pool: no preemption); the
+    """5 prompts generating 256 tokens each (``long_max_tokens``), together (they fit the 100-block pool: no preemption); the
     eviction engine is given a budget with budget + T >= prompt + generated (no round may run): the tokens
     must be stock's."""
     from vllm import SamplingParams
@@ -1162,16 +1162,17 @@ def run_hybrid(llm, spec, res):
 
 
 def run_compare(llm, spec, res):
-    """Token-id prompts, one case of per-request extra args at a time (``compare_cases``): each request's
-    greedy tokens and the blocks it holds in vLLM's pool after every step (read from vLLM's manager)."""
+    """Token-id prompts, one case of per-request extra args at a time (``compare_cases``, each generating
+    ``compare_case_tokens`` or ``compare_max_tokens``): each request's greedy tokens and the blocks it holds in vLLM's pool after every step (read from vLLM's manager)."""
     from vllm import SamplingParams
 
     lengths = spec.get("compare_lengths", [40, 130, 200])
     prompts = _prompts(500, lengths, 3)
     out = []
-    for extra in spec.get("compare_cases", [None]):
-        sp = SamplingParams(max_tokens=spec.get("compare_max_tokens", 48), temperature=0, ignore_eos=True,
-                            extra_args=extra)
+    cases = spec.get("compare_cases", [None])
+    max_tokens = spec.get("compare_case_tokens") or [spec.get("compare_max_tokens", 48)] * len(cases)
+    for extra, n in zip(cases, max_tokens):
+        sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, extra_args=extra)
         for i, p in enumerate(prompts):
             llm.llm_engine.add_request(f"c{len(out)}_{i}", {"prompt_token_ids": p}, sp)
         held: list[dict[str, int]] = []

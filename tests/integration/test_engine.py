@@ -66,10 +66,10 @@ def test_budget_exactly_the_prompt_gives_stock_tokens(stock, evicting):
 
 
 def test_budget_plus_interval_above_the_generation_gives_stock_tokens(stock, evicting):
-    """5 prompts x 256 generated tokens, budget 1024 + T 64 >= prompt + generated: no round may run and the
+    """5 prompts x 160 generated tokens, budget 1024 + T 64 >= prompt + generated: no round may run and the
     greedy tokens are stock's, token for token."""
     assert evicting["greedy_long_rounds"] == 0
-    assert all(len(t) == 256 for t in stock["greedy_long"])
+    assert all(len(t) == 160 for t in stock["greedy_long"])
     assert evicting["greedy_long"] == stock["greedy_long"]
 
 
