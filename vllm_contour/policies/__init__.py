@@ -6,9 +6,9 @@ forced tokens), ``scorers/``, ``allocators/``, ``selectors/`` (one file per meth
 ``registry.py`` (named presets: a data table of paper -> components, with their knobs).
 """
 
-from .base import Allocator, Component, LayerBudget, LayerInputs, Scorer, Selection, Selector
+from .base import Allocator, Component, LayerBudget, LayerInputs, ModelIdentity, Scorer, Selection, Selector
 from .policy import Policy
 from .registry import PRESETS, Preset, build_policy, policy_help, policy_knobs, policy_names
 
-__all__ = ["Allocator", "Component", "LayerBudget", "LayerInputs", "Scorer", "Selection", "Selector", "Policy",
+__all__ = ["Allocator", "Component", "LayerBudget", "LayerInputs", "ModelIdentity", "Scorer", "Selection", "Selector", "Policy",
            "PRESETS", "Preset", "build_policy", "policy_help", "policy_knobs", "policy_names"]

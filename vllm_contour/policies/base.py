@@ -201,14 +201,29 @@ class Component(abc.ABC):
     needs_values: ClassVar[bool] = False  # reads ``LayerInputs.values`` (else the caller may hand an empty tensor)
 
 
+@dataclass(frozen=True)
+class ModelIdentity:
+    """The served model as a learned scorer checks it: a name for messages and a fingerprint of its config and
+    weights (``vllm_contour.surrogate.fingerprint``)."""
+
+    name: str
+    fingerprint: str
+
+
 class Scorer(Component):
     needs_reconstruction: ClassVar[bool] = False  # scores with the engine's context reconstruction (KVzip)
+    # learned for one model: the engine calls ``bind_model`` with the served model before any round (KVzap)
+    binds_model: ClassVar[bool] = False
     # carries its kept tokens' scores into the next round (``Selection.scores`` -> ``LayerInputs.prior``; H2O)
     accumulates: ClassVar[bool] = False
 
     @abc.abstractmethod
     def score(self, inp: LayerInputs) -> torch.Tensor:
         """``[H, region_len]`` float scores; higher = more worth keeping."""
+
+    def bind_model(self, model: ModelIdentity) -> None:
+        """For a scorer that ``binds_model``: take the served model; raises ``ValueError`` naming both when the
+        scorer was not made for it."""
 
 
 class Allocator(Component):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from . import planner
-from .base import Allocator, Component, LayerInputs, Scorer, Selection, Selector
+from .base import Allocator, Component, LayerInputs, ModelIdentity, Scorer, Selection, Selector
 
 
 @dataclass
@@ -65,6 +65,17 @@ class Policy:
         """True when a scorer scores with the engine's context reconstruction (KVzip): the engine runs it
         at the context boundary and hands its scores in ``LayerInputs.reconstruction``."""
         return any(s.needs_reconstruction for s in (self.scorer, self.alloc_scorer) if s is not None)
+
+    @property
+    def binds_model(self) -> bool:
+        """True when a scorer was learned for one model (KVzap): ``bind_model`` before the first round."""
+        return any(s.binds_model for s in (self.scorer, self.alloc_scorer) if s is not None)
+
+    def bind_model(self, model: ModelIdentity) -> None:
+        """Hand the served model to the scorers that were learned for one (raises naming both on a mismatch)."""
+        for s in (self.scorer, self.alloc_scorer):
+            if s is not None and s.binds_model:
+                s.bind_model(model)
 
     @property
     def accumulates(self) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Callable
 
 import torch
 from vllm.logger import init_logger
@@ -19,10 +20,11 @@ from vllm_contour import ops
 from vllm_contour.evictor import RoundPlan, RoundRequest, apply_rounds, clear_moment_pages, plan_rounds
 from vllm_contour.integration.messages import Noop, Outcome, PlanFailed, Recompute, Round, RoundItem
 from vllm_contour.integration.metrics import ContourStats
+from vllm_contour.integration.reconstruction.record import record_dir, record_round
 from vllm_contour.integration.reconstruction.worker import ContextScores
 from vllm_contour.integration.worker.requests import WorkerRequests
 from vllm_contour.ops.paged import dims
-from vllm_contour.policies import build_policy
+from vllm_contour.policies import ModelIdentity, build_policy
 
 logger = init_logger("vllm.contour")
 
@@ -42,9 +44,10 @@ def clear_unread(views: Views, requests: WorkerRequests, layout, owner: str) -> 
 
 
 class WorkerRounds:
-    def __init__(self, requests: WorkerRequests, scores: ContextScores):
+    def __init__(self, requests: WorkerRequests, scores: ContextScores, model: Callable[[], ModelIdentity]):
         self.requests = requests
         self.scores = scores
+        self.model = model  # the served model, for scorers learned for one (KVzap's surrogate)
         self.query_shape: tuple[int, int, torch.dtype] | None = None  # (query heads, head dim, dtype)
         self._policies: dict[tuple, object] = {}
 
@@ -82,9 +85,11 @@ class WorkerRounds:
         if pol is None:
             if len(self._policies) > 256:
                 self._policies.clear()
-            pol = self._policies[key] = build_policy(params.policy, params.policy_args,
-                                                     sink_tokens=params.sink_tokens,
-                                                     recent_window=params.recent_window)
+            pol = build_policy(params.policy, params.policy_args, sink_tokens=params.sink_tokens,
+                               recent_window=params.recent_window)
+            if pol.binds_model:  # raises naming both when its surrogate is another model's: the round fails
+                pol.bind_model(self.model())
+            self._policies[key] = pol
         return pol
 
     def plan_all(self, items: list[RoundItem], views: Views, scale: float, layers, report: dict,
@@ -123,6 +128,9 @@ class WorkerRounds:
         rs = self.requests.state_for(item.req_id)
         queries, qpos = self._window_queries(rs.window, views) if rs.window is not None else (None, None)
         recon = self.scores.for_round(item) if self._policy(item.params).needs_reconstruction else None
+        rec = record_dir()
+        if rec is not None and recon is not None and rs.layout is None:  # a surrogate's training data
+            record_round(rec, item.req_id, item.block_ids, views, recon)
         return RoundRequest(item.block_ids, item.num_tokens, rs.layout, queries, qpos, item.fresh_ids, recon)
 
     def _window_queries(self, win, views: Views):

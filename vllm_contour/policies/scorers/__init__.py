@@ -6,6 +6,7 @@ from .expected_attention import ExpectedAttentionScorer
 from .h2o import H2OScorer
 from .keydiff import KeyDiffScorer
 from .knorm import KeyNormScorer
+from .kvzap import KVzapScorer, SurrogateNet, unrope
 from .kvzip import KVzipScorer, reconstruction_max
 from .moment import MomentScorer
 from .recency import RecencyScorer
@@ -13,5 +14,6 @@ from .snapkv import SnapKVScorer
 from .tova import TOVAScorer
 
 __all__ = ["avg_pool", "gqa_mean", "window_attention", "window_mass", "window_queries",
-           "ExpectedAttentionScorer", "H2OScorer", "KeyDiffScorer", "KeyNormScorer", "KVzipScorer",
-           "MomentScorer", "RecencyScorer", "SnapKVScorer", "TOVAScorer", "reconstruction_max"]
+           "ExpectedAttentionScorer", "H2OScorer", "KeyDiffScorer", "KeyNormScorer", "KVzapScorer", "KVzipScorer",
+           "MomentScorer", "RecencyScorer", "SnapKVScorer", "SurrogateNet", "TOVAScorer", "reconstruction_max",
+           "unrope"]
