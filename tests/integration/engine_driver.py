@@ -1374,27 +1374,7 @@ def run_kvzip_stream(llm, spec, res):
                               "failures": dict(side.totals.failures)}], "free_end": _free(llm)}
 
 
-def run_shared_salted(llm, spec, res):
-    """After ``shared_context``: its request B (the document + question 1) again with a cache salt, so it
-    shares nothing and compresses the document itself; its tokens, and the plugin's totals at the end
-    (reconstructions run by the engine so far)."""
-    from vllm import SamplingParams
-
-    tok = llm.get_tokenizer()
-    doc = _text_prompts(tok, [spec.get("sc_doc", 900)], 71)[0]
-    q1 = _text_prompts(tok, [60] * 8, 72)[1]
-    llm.llm_engine.add_request("Bsalt", {"prompt_token_ids": doc + q1, "cache_salt": "kvzap-salt"},
-                               SamplingParams(max_tokens=spec.get("sc_max_tokens", 40), temperature=0, ignore_eos=True,
-                                              extra_args={"kv_context_len": len(doc)}))
-    snap = _snapshot(llm)
-    out = _drain(llm)
-    side = _core(llm).scheduler.connector.scheduler_side
-    res["shared_salted"] = {"tokens": next(iter(out.values())), "rounds": _deltas(llm, snap)["rounds"],
-                            "reconstructions": side.totals.reconstructions,
-                            "failures": dict(side.totals.failures)}
-
-
-SCENARIOS = {"compare": run_compare, "shared_salted": run_shared_salted, "fault_paths": run_fault_paths, "fault_prefix": run_fault_prefix, "greedy_exact": run_greedy_exact,
+SCENARIOS = {"compare": run_compare, "fault_paths": run_fault_paths, "fault_prefix": run_fault_prefix, "greedy_exact": run_greedy_exact,
              "hybrid": run_hybrid, "shared_context": run_shared_context, "greedy_none": run_greedy_none, "prefix_stream": run_prefix_stream, "streaming_input": run_streaming_input, "kvzip_stream": run_kvzip_stream, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
              "short_moments": run_short_moments, "faults": run_faults,
              "parallel": run_parallel, "greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,

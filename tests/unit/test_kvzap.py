@@ -1,4 +1,4 @@
-"""KVzap in pure torch: RoPE undone, the surrogate's per-(layer, head) models over the rows of several layers and
+"""KVzap in pure torch (a scorer component, no preset: docs/results.md#kvzap-a-learned-kvzip-surrogate-not-a-preset): RoPE undone, the surrogate's per-(layer, head) models over the rows of several layers and
 of a decode-time round, the fingerprint and the refusal of a surrogate for another model, and the training
 command on a tiny slice of recorded data (no engine)."""
 
@@ -9,7 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vllm_contour.policies import LayerInputs, ModelIdentity, build_policy
+from vllm_contour.policies import LayerInputs, ModelIdentity, Policy
+from vllm_contour.policies.allocators import ContourAllocator
+from vllm_contour.policies.selectors import TopKSelector
 from vllm_contour.policies.policy import fold_heads
 from vllm_contour.policies.scorers.kvzap import KVzapScorer, SurrogateNet, unrope
 from vllm_contour.surrogate import fit as fitting
@@ -106,7 +108,7 @@ def test_the_scorer_refuses_rows_it_has_no_model_for_and_scoring_unbound():
     with pytest.raises(ValueError, match="covers 2 layers"):
         KVzapScorer(net=net).score(late)
     with pytest.raises(ValueError, match="none is bound"):
-        build_policy("kvzap").scorer.score(late)
+        KVzapScorer().score(late)
 
 
 def tiny_model(folder, seed=0, dtype=torch.float32, layers=3):
@@ -141,7 +143,8 @@ def test_a_surrogate_for_another_model_is_refused_naming_both(tmp_path):
     with pytest.raises(ValueError, match=f"no surrogate is shipped for model served \\(fingerprint {served.fingerprint}\\)"):
         store.for_model(served)
     assert store.for_model(other, str(path)).fingerprint == other.fingerprint
-    pol = build_policy("contour_kvzap", {"surrogate": str(path)})
+    pol = Policy("kvzap_contour", KVzapScorer(surrogate=str(path)), ContourAllocator(), TopKSelector())
+    assert pol.binds_model
     with pytest.raises(ValueError, match="not on the served model served"):
         pol.bind_model(served)
     pol.bind_model(other)

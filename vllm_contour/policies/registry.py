@@ -7,8 +7,7 @@ field of a component, named ``scorer.kernel_size`` / ``allocator.mix`` / ``selec
 ``policy_knobs(name)`` lists them. Unknown knobs and bad values raise ``ValueError`` naming the knob.
 
 Presets whose components all have ``needs_queries=False`` (streaming, knorm, keydiff, expected_attention)
-run without captured queries; kvzip and contour_kvzip score with the engine's context reconstruction; kvzap
-and contour_kvzap with a surrogate of it learned for the served model (bound by the engine). Every
+run without captured queries; kvzip and contour_kvzip score with the engine's context reconstruction. Every
 preset ignores the question tokens (those at or after ``window_end``) in query-agnostic mode.
 
 ContourKV scorer choice. ``contour`` uses SnapKV window scores for both the head allocation and the ranking
@@ -26,7 +25,7 @@ from typing import Any
 
 from .allocators import AdaKVAllocator, ContourAllocator, KVzipAllocator, PyramidAllocator, UniformAllocator
 from .policy import Policy
-from .scorers import (ExpectedAttentionScorer, H2OScorer, KeyDiffScorer, KeyNormScorer, KVzapScorer, KVzipScorer,
+from .scorers import (ExpectedAttentionScorer, H2OScorer, KeyDiffScorer, KeyNormScorer, KVzipScorer,
                       MomentScorer, RecencyScorer, SnapKVScorer, TOVAScorer)
 from .selectors import DiversitySelector, TopKSelector
 
@@ -90,17 +89,6 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            cost="the context's reconstruction once per context (hidden requests: about the context's length in "
                 "tokens with prefix caching, twice that without)",
            differs="rounds as kvzip's"),
-    Preset("kvzap", "KVzap (arXiv 2601.07891) on KVzip's allocation", KVzapScorer, KVzipAllocator,
-           cost="no queries, no reconstruction; a small MLP per (layer, KV head) over each candidate's key and value "
-                "at every round",
-           differs="a fixed budget, not a score threshold (KVzip's per-layer threshold: the layer's top scores across "
-                   "heads); the surrogate reads each token's key (RoPE undone) and value, not the hidden state; "
-                   "fitted to KVzip's scores, not KVzip+'s; generated tokens scored at decode-time rounds; sinks and "
-                   "recent window kept"),
-    Preset("contour_kvzap", "ContourKV allocation over KVzap scores (this project)", KVzapScorer, ContourAllocator,
-           cost="no queries, no reconstruction; a small MLP per (layer, KV head) over each candidate's key and value "
-                "at every round",
-           differs="rounds as knorm's (prompt end and every decode interval)"),
     Preset("moment", "MomentKV (this project)", MomentScorer, UniformAllocator, moment_correction=True,
            cost="two moment/residual passes (O(N D^2)) per round; moment pages inside the budget",
            differs="the residual puts the key k_j where a query belongs (a proxy)"),

@@ -46,7 +46,7 @@ def for_model(model: ModelIdentity, path: str = "") -> SurrogateNet:
             have = ", ".join(p.stem for p in shipped()) or "none"
             raise ValueError(f"kvzap: no surrogate is shipped for model {model.name} (fingerprint "
                              f"{model.fingerprint}); shipped: {have}. Train one: {TRAIN_HINT}, then pass "
-                             f"--kv-policy-args '{{\"surrogate\": \"PATH\"}}'")
+                             f"its file as KVzapScorer(surrogate=PATH)")
         path = str(match[0])
     net = load(path)
     if net.fingerprint != model.fingerprint:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable
 
 import torch
 from vllm.logger import init_logger
@@ -24,7 +23,7 @@ from vllm_contour.integration.reconstruction.record import record_dir, record_ro
 from vllm_contour.integration.reconstruction.worker import ContextScores
 from vllm_contour.integration.worker.requests import WorkerRequests
 from vllm_contour.ops.paged import dims
-from vllm_contour.policies import ModelIdentity, build_policy
+from vllm_contour.policies import build_policy
 
 logger = init_logger("vllm.contour")
 
@@ -44,10 +43,9 @@ def clear_unread(views: Views, requests: WorkerRequests, layout, owner: str) -> 
 
 
 class WorkerRounds:
-    def __init__(self, requests: WorkerRequests, scores: ContextScores, model: Callable[[], ModelIdentity]):
+    def __init__(self, requests: WorkerRequests, scores: ContextScores):
         self.requests = requests
         self.scores = scores
-        self.model = model  # the served model, for scorers learned for one (KVzap's surrogate)
         self.query_shape: tuple[int, int, torch.dtype] | None = None  # (query heads, head dim, dtype)
         self._policies: dict[tuple, object] = {}
 
@@ -85,11 +83,9 @@ class WorkerRounds:
         if pol is None:
             if len(self._policies) > 256:
                 self._policies.clear()
-            pol = build_policy(params.policy, params.policy_args, sink_tokens=params.sink_tokens,
-                               recent_window=params.recent_window)
-            if pol.binds_model:  # raises naming both when its surrogate is another model's: the round fails
-                pol.bind_model(self.model())
-            self._policies[key] = pol
+            pol = self._policies[key] = build_policy(params.policy, params.policy_args,
+                                                     sink_tokens=params.sink_tokens,
+                                                     recent_window=params.recent_window)
         return pol
 
     def plan_all(self, items: list[RoundItem], views: Views, scale: float, layers, report: dict,

@@ -28,7 +28,6 @@ from vllm_contour.integration.worker.requests import QueryWindow, WorkerRequests
 from vllm_contour.integration.worker.rounds import WorkerRounds, clear_unread
 from vllm_contour.integration.worker.step import ContourStep, mispredicted, window_plan
 from vllm_contour.page_tables import RowError
-from vllm_contour.policies.base import ModelIdentity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -43,8 +42,7 @@ class WorkerSide:
         self.caches = WorkerCaches(vllm_config, layer_names)
         self.requests = WorkerRequests()
         self.scores = ContextScores()
-        self.rounds = WorkerRounds(self.requests, self.scores, self.model_identity)
-        self._model: ModelIdentity | None = None
+        self.rounds = WorkerRounds(self.requests, self.scores)
         self._report: dict[str, Outcome] = {}
         self._stats = ContourStats()
         # the step: the scheduler's message (begin_step .. after_forward), the builder's step once resolved,
@@ -73,10 +71,7 @@ class WorkerSide:
         nb, heads, bs, hd = c.dims
         self.requests.tables = PageTables(len(c.named), heads, bs, c.named[0][1].shape[0], device=k0.device)
         self.rounds.query_shape = c.query_shape
-        default = build_policy(self.config.policy, self.config.policy_args)
-        self._stats.gauge("query_buffer_bound_bytes", c.outside_pool_bound(default))
-        if default.binds_model:  # the server's policy learned for one model (KVzap): another model stops here
-            default.bind_model(self.model_identity())
+        self._stats.gauge("query_buffer_bound_bytes", c.outside_pool_bound(build_policy(self.config.policy)))
         dev = k0.device.type
         op_impls = ops.implementations(dev)
         self._stats.info("ops", op_impls)
@@ -88,14 +83,6 @@ class WorkerSide:
         logger.info("kv_eviction: worker ready (pid %d): %d layers, %d KV heads, head dim %d, block %d, %s on %s, "
                     "key view strides %s, value %s; ops %s", os.getpid(), len(c.named), heads, hd, bs, k0.dtype,
                     k0.device, tuple(k0.stride()), tuple(c.views[0][1].stride()), op_impls)
-
-    def model_identity(self) -> ModelIdentity:
-        """The served model's fingerprint (read once from its folder), for scorers learned for one model."""
-        if self._model is None:
-            from vllm_contour.surrogate.fingerprint import identify
-
-            self._model = identify(self.caches.vllm_config.model_config.model)
-        return self._model
 
     # ------------------------------------------------------------------ every step
     def begin_step(self, md: ContourMetadata) -> None:

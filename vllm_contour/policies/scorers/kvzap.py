@@ -99,8 +99,11 @@ class KVzapScorer(Scorer):
     does not depend on where the token sits) and value, per KV head (``SurrogateNet``). Scores are
     ``exp(log-score)``, KVzip's scale, so KVzip's allocators apply unchanged.
 
-    ``surrogate``: a surrogate file; empty = the one shipped for the served model. The engine binds the
-    served model (``bind_model``); a surrogate trained on another model is refused naming both."""
+    ``surrogate``: a surrogate file; empty = the one shipped for the served model. ``bind_model`` takes the
+    served model; a surrogate trained on another model is refused naming both. No preset uses this scorer and
+    the engine binds none: the surrogate trained here for SmolLM2 ranks KVzip's scores far better than key norm
+    held out, yet loses the needle that KVzip and key norm keep on the hidden-question passkey
+    (docs/results.md, "KVzap: a learned KVzip surrogate (not a preset)")."""
 
     surrogate: str = ""
     needs_values: ClassVar[bool] = True
