@@ -91,7 +91,9 @@ def train(args) -> dict:
     meta.update(fitting.evaluate(net, test_recs))
     out = Path(args.out) if args.out else store.SHIPPED / store.shipped_name(model)
     store.save(net, out)
-    report = {"model": model.name, "fingerprint": model.fingerprint, "surrogate": str(out),
+    shipped = out.resolve().parent == store.SHIPPED
+    report = {"model": model.name, "fingerprint": model.fingerprint,
+              "surrogate": f"vllm_contour/surrogate/weights/{out.name}" if shipped else str(out),
               "bytes": out.stat().st_size, **meta, "argv": list(getattr(args, "argv", [])),
               "date": time.strftime("%Y-%m-%d")}
     if args.report:
