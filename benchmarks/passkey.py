@@ -266,7 +266,7 @@ def plot(res: dict, path: Path) -> None:
         cell[(pol, col)] = r["correct"]
     cols = cols or ["all"]
     grid = [[cell.get((p, c), cell.get((p, "all"), float("nan"))) for c in cols] for p in pols]
-    fig, ax = plt.subplots(figsize=(1.0 + 0.8 * len(cols), 1.0 + 0.35 * len(pols)))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.0 + 0.8 * len(cols)), 1.6 + 0.35 * len(pols)))  # one column: room for the titles
     im = ax.imshow(grid, vmin=0, vmax=res["trials"], cmap="viridis", aspect="auto")
     for i, row in enumerate(grid):
         for j, v in enumerate(row):

@@ -47,7 +47,7 @@ class Row:
 
     @property
     def files(self) -> list[str]:
-        return re.findall(r"\((docs/results/[\w.\-]+\.json)\)", self.where)
+        return re.findall(r"\((docs/results/[\w.\-/]+\.json)\)", self.where)  # a run's folder may hold it
 
     @property
     def label(self) -> str:
@@ -481,6 +481,10 @@ def test_passkey_and_protocol_rows_read_each_cell_from_the_json():
     row = _row("retrieval (passkey)")
     flipped = Row(row.what, row.figure.replace("hidden: `knorm` 1", "hidden: `knorm` 8"), row.where, row.line)
     assert any("knorm at 512 (agnostic), correct: README 8, JSON 1" in e for e in check_row(flipped))
+    row = _row("a surrogate of KVzip's scores")  # a JSON in a run's folder (docs/results/kvzap/)
+    assert row.files == ["docs/results/kvzap/passkey.json"] and check_row(row) == []
+    flipped = Row(row.what, row.figure.replace("`kvzap` 0", "`kvzap` 9"), row.where, row.line)
+    assert any("kvzap at 512 (agnostic), correct: README 9, JSON 0" in e for e in check_row(flipped))
     row = _row("under the evaluation protocol")
     won = Row(row.what, row.figure.replace("tie at 384", "win at 384"), row.where, row.line)
     assert any("verdict against kvzip at 384: README win, JSON tie" in e for e in check_row(won))
