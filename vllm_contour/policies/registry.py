@@ -25,8 +25,8 @@ from typing import Any
 
 from .allocators import AdaKVAllocator, ContourAllocator, KVzipAllocator, PyramidAllocator, UniformAllocator
 from .policy import Policy
-from .scorers import (ExpectedAttentionScorer, H2OScorer, KeyDiffScorer, KeyNormScorer, KVzipScorer,
-                      MomentScorer, RecencyScorer, SnapKVScorer, TOVAScorer)
+from .scorers import (ExpectedAttentionScorer, H2OScorer, KeyDiffScorer, KeyNormScorer, KVzipScorer, MomentScorer,
+                      RecencyScorer, SnapKVScorer, TOVAScorer)
 from .selectors import DiversitySelector, TopKSelector
 
 
