@@ -49,6 +49,12 @@ namespace contour {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // ------------------------------------------------------------------------------------------------ views
+// One byte of an fp8 cache (vLLM's CPU fp8 pages are uint8): it reads as a number only through its cache's
+// table (Cache::lut, 256 fp32 values: vLLM's reading of each byte times the layer's k_scale or v_scale).
+struct Fp8 {
+  uint8_t x;
+};
+
 // Element (page, token t, dim c) at base + block*s0 + lane*s1 + tok(t) + dim(c), with
 // tok(t) = (t / tg) * ts1 + (t % tg) * ts2 and dim(c) = (c / dg) * cs1 + (c % dg) * cs2.
 // Strides count elements; Cache<void> is the untyped form passed from the front end to the kernels.
@@ -57,6 +63,7 @@ struct Cache {
   T* base;
   int64_t s0, s1, heads, pages, bs, D;
   int64_t tg, ts1, ts2, dg, cs1, cs2;
+  const float* lut = nullptr;  // Fp8 caches: the dequantised value of each byte (scale included)
   inline int64_t tok(int64_t off) const { return tg >= bs ? off * ts2 : (off / tg) * ts1 + (off % tg) * ts2; }
   inline T* row(int64_t page, int64_t off) const {
     return base + (page / heads) * s0 + (page % heads) * s1 + tok(off);
@@ -67,7 +74,8 @@ using RawCache = Cache<void>;
 
 template <typename T>
 inline Cache<T> typed(const RawCache& c) {
-  return {static_cast<T*>(c.base), c.s0, c.s1, c.heads, c.pages, c.bs, c.D, c.tg, c.ts1, c.ts2, c.dg, c.cs1, c.cs2};
+  return {static_cast<T*>(c.base), c.s0, c.s1, c.heads, c.pages, c.bs, c.D, c.tg, c.ts1, c.ts2, c.dg, c.cs1, c.cs2,
+          c.lut};
 }
 
 // int32 or int64 index tensor of up to 3 dims, any strides (no conversion pass)
@@ -81,12 +89,13 @@ struct Idx {
   }
 };
 
-enum class Dtype : int { f64, f32, f16, bf16 };
+enum class Dtype : int { f64, f32, f16, bf16, fp8 };  // fp8: bytes read through the cache's table
 
 // ragged_decode_attention's kernel arguments (checked by the front end)
 struct DecodeArgs {
   Dtype cache;   // key / value element type
-  bool q_same;   // the query and output in the cache's type (else fp32)
+  bool q_same;   // the query and output in the cache's type (else fp32; for fp8 caches: in query_type)
+  Dtype query_type;  // fp8 caches: the query's and output's type (fp32, bf16 or fp16)
   const void* q;
   int64_t qs0, qs1, qs2;
   RawCache K, V;
@@ -103,13 +112,15 @@ struct DecodeArgs {
 };
 
 // One ISA level's kernels. decode returns false for what it does not compile (the avx512_bf16 file: all but
-// a bf16 query on a bf16 cache); compact, gather and accumulate are nullptr there.
+// a bf16 query on a bf16 cache); compact, gather, gather_lut and accumulate are nullptr there.
 struct Kernels {
   const char* name;    // the file's level
   const char* target;  // its #pragma GCC target ("" for the baseline)
   void (*compact)(const RawCache& K, const RawCache& V, int64_t elem_size, const int64_t* sp, const int64_t* so,
                   const int64_t* dp, const int64_t* dof, int64_t M);
   void (*gather)(const RawCache& X, int64_t elem_size, const int64_t* ids, int64_t M, void* out);
+  // fp8 pages dequantised through X.lut into fp32 [M, bs, D] rows
+  void (*gather_lut)(const RawCache& X, const int64_t* ids, int64_t M, float* out);
   void (*accumulate)(Dtype dt, const RawCache& K, const RawCache& V, const int64_t* page, const int64_t* off,
                      const int64_t* head, int64_t M, int64_t Hm, float* n, float* sk, float* sv, float* svk);
   bool (*decode)(const DecodeArgs& a);

@@ -1,5 +1,7 @@
-// CPU kernels of vllm-contour's ops (C++/OpenMP): the op front end. Caches fp32 / bf16 / fp16 (compaction
-// copies the bits of any 1/2/4/8-byte dtype); all arithmetic in fp32.
+// CPU kernels of vllm-contour's ops (C++/OpenMP): the op front end. Caches fp32 / bf16 / fp16, or fp8 bytes
+// (uint8) read through a 256-entry fp32 table per side (k_lut / v_lut, luts: vLLM's reading of each byte times
+// the layer's scale; vllm_contour/ops/fp8.py); compaction copies the bits of any 1/2/4/8-byte dtype; all
+// arithmetic in fp32.
 //
 // Cache convention (see vllm_contour/ops/reference.py): key_cache / value_cache are [num_blocks, H, bs, D]
 // views with arbitrary element strides, or the two-level [num_blocks, H, bs/tg, tg, D/dg, dg] form of packed
@@ -7,9 +9,12 @@
 // Both are read through one description (contour::Cache); a head-page id is block * H + lane.
 //
 //   compact(kc, vc, src_page, src_off, dst_page, dst_off)          in place, overlap-safe
-//   accumulate_moments(kc, vc, page_ids, offsets, head, n, sum_k, sum_v, sum_vk)   in place, fp32 stats
-//   ragged_decode_attention(q, kc, vc, page_table, seq_lens, scale, [n, sum_k, sum_v, sum_vk]) -> (out, lse)
+//   accumulate_moments(kc, vc, page_ids, offsets, head, n, sum_k, sum_v, sum_vk, [k_lut, v_lut])
+//                                                                   in place, fp32 stats
+//   ragged_decode_attention(q, kc, vc, page_table, seq_lens, scale, [n, sum_k, sum_v, sum_vk], [k_lut, v_lut])
+//                                                                   -> (out, lse)
 //   gather_pages([cache per layer], ids, out)                       head-pages into [L, M, bs, D] rows
+//   gather_pages_lut([fp8 cache per layer], ids, luts, out)         the same dequantised into fp32 rows
 //
 // The kernels (kernels.inc) are compiled once per ISA level (isa_*.cpp: generic, avx2, avx512, avx512_bf16
 // with the amx level's helpers; contour.h); this file checks the arguments and runs the kernels of the
@@ -216,15 +221,29 @@ void check_cache_pair(const Tensor& kc, const Tensor& vc) {
   TORCH_CHECK(kc.device().is_cpu() && vc.device().is_cpu(), "CPU kernels need CPU caches");
 }
 
-// the floating types the kernels read (AT_DISPATCH_FLOATING_TYPES_AND2(kBFloat16, kHalf)'s)
+// the floating types the kernels read (AT_DISPATCH_FLOATING_TYPES_AND2(kBFloat16, kHalf)'s), and fp8 bytes
 Dtype dtype_of(at::ScalarType s, const char* op) {
   switch (s) {
     case at::kDouble: return Dtype::f64;
     case at::kFloat: return Dtype::f32;
     case at::kHalf: return Dtype::f16;
     case at::kBFloat16: return Dtype::bf16;
+    case at::kByte: return Dtype::fp8;
     default: TORCH_CHECK(false, '"', op, "\" not implemented for '", c10::toString(s), "'");
   }
+}
+
+// An fp8 cache (uint8) reads through its table: [256] fp32, contiguous; other caches take none
+const float* lut_of(const Tensor& cache, const std::optional<Tensor>& lut, const char* op, const char* side) {
+  if (cache.scalar_type() != at::kByte) {
+    TORCH_CHECK(!lut.has_value(), op, ": ", side, " is only for fp8 (uint8) caches");
+    return nullptr;
+  }
+  TORCH_CHECK(lut.has_value(), op, ": an fp8 (uint8) cache needs its ", side, " (256 fp32 values)");
+  TORCH_CHECK(lut->scalar_type() == at::kFloat && lut->is_contiguous() && lut->numel() == 256 &&
+                  lut->device().is_cpu(),
+              op, ": ", side, " must be a contiguous CPU fp32 tensor of 256 values");
+  return lut->data_ptr<float>();
 }
 
 Tensor as_long(const Tensor& t) { return t.to(at::kLong).contiguous(); }
@@ -283,6 +302,38 @@ void gather_pages(at::TensorList caches, Tensor ids, Tensor out) {
   }
 }
 
+// fp8 caches (uint8), one per layer; ids [M] or [L, M]; luts [L, 256] fp32 (layer l's table, its scale
+// included); out [L, M, bs, D] fp32
+void gather_pages_lut(at::TensorList caches, Tensor ids, Tensor luts, Tensor out) {
+  const int64_t L = static_cast<int64_t>(caches.size());
+  TORCH_CHECK(L > 0, "gather_pages_lut: no caches");
+  const Tensor idx = as_long(ids);
+  const int64_t M = idx.size(-1);
+  TORCH_CHECK(idx.dim() == 1 || (idx.dim() == 2 && idx.size(0) == L), "gather_pages_lut: ids must be [M] or [L, M]");
+  const int64_t bs = cache_bs(caches[0]), D = cache_d(caches[0]);
+  TORCH_CHECK(luts.scalar_type() == at::kFloat && luts.is_contiguous() && luts.dim() == 2 && luts.size(0) == L &&
+                  luts.size(1) == 256,
+              "gather_pages_lut: luts must be a contiguous [L, 256] fp32 tensor");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 4 && out.size(0) == L && out.size(1) == M && out.size(2) == bs &&
+                  out.size(3) == D && out.scalar_type() == at::kFloat,
+              "gather_pages_lut: out must be a contiguous [L, M, bs, D] fp32 tensor");
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const Kernels& k = base_kernels(level());
+  for (int64_t l = 0; l < L; ++l) {
+    const Tensor& c = caches[l];
+    TORCH_CHECK(c.scalar_type() == at::kByte && cache_bs(c) == bs && cache_d(c) == D, "gather_pages_lut: layer ", l,
+                "'s cache is not an fp8 (uint8) cache like layer 0's");
+    const int64_t pages = c.size(0) * c.size(1);
+    const int64_t* li = ip + (idx.dim() == 2 ? l * M : 0);
+    for (int64_t m = 0; m < M; ++m)
+      TORCH_CHECK(li[m] >= 0 && li[m] < pages, "gather_pages_lut: page id ", li[m], " (layer ", l, ", index ", m,
+                  ") is outside the cache (", pages, " head-pages)");
+    RawCache x = cache_view(c);
+    x.lut = luts.data_ptr<float>() + l * 256;
+    k.gather_lut(x, li, M, out.data_ptr<float>() + l * M * bs * D);
+  }
+}
+
 Tensor as_f32_contig(const Tensor& t, bool& copied) {
   TORCH_CHECK(t.device().is_cpu(), "moments must be CPU tensors");
   copied = !(t.scalar_type() == at::kFloat && t.is_contiguous());
@@ -290,8 +341,12 @@ Tensor as_f32_contig(const Tensor& t, bool& copied) {
 }
 
 void accumulate_moments(Tensor kc, Tensor vc, Tensor page_ids, Tensor offsets, Tensor head_of_token, Tensor n,
-                        Tensor sum_k, Tensor sum_v, Tensor sum_vk) {
+                        Tensor sum_k, Tensor sum_v, Tensor sum_vk, const std::optional<Tensor>& k_lut,
+                        const std::optional<Tensor>& v_lut) {
   check_cache_pair(kc, vc);
+  RawCache K = cache_view(kc), V = cache_view(vc);
+  K.lut = lut_of(kc, k_lut, "accumulate_moments", "k_lut");
+  V.lut = lut_of(vc, v_lut, "accumulate_moments", "v_lut");
   const int64_t M = page_ids.numel(), D = cache_d(kc), Hm = n.numel();
   TORCH_CHECK(offsets.numel() == M && head_of_token.numel() == M, "index lengths differ");
   TORCH_CHECK(sum_k.numel() == Hm * D && sum_v.numel() == Hm * D && sum_vk.numel() == Hm * D * D,
@@ -306,7 +361,7 @@ void accumulate_moments(Tensor kc, Tensor vc, Tensor page_ids, Tensor offsets, T
   bool cn, ck, cv, cvk;
   Tensor n2 = as_f32_contig(n, cn), k2 = as_f32_contig(sum_k, ck), v2 = as_f32_contig(sum_v, cv),
          vk2 = as_f32_contig(sum_vk, cvk);
-  base_kernels(level()).accumulate(dt, cache_view(kc), cache_view(vc), p.data_ptr<int64_t>(), o.data_ptr<int64_t>(),
+  base_kernels(level()).accumulate(dt, K, V, p.data_ptr<int64_t>(), o.data_ptr<int64_t>(),
                                    hp, M, Hm, n2.data_ptr<float>(), k2.data_ptr<float>(), v2.data_ptr<float>(),
                                    vk2.data_ptr<float>());
   if (cn) n.copy_(n2.view(n.sizes()));
@@ -319,8 +374,13 @@ std::tuple<Tensor, Tensor> ragged_decode_attention(Tensor query, Tensor kc, Tens
                                                    Tensor seq_lens, double scale, const std::optional<Tensor>& n,
                                                    const std::optional<Tensor>& sum_k,
                                                    const std::optional<Tensor>& sum_v,
-                                                   const std::optional<Tensor>& sum_vk) {
+                                                   const std::optional<Tensor>& sum_vk,
+                                                   const std::optional<Tensor>& k_lut,
+                                                   const std::optional<Tensor>& v_lut) {
   check_cache_pair(kc, vc);
+  RawCache K = cache_view(kc), V = cache_view(vc);
+  K.lut = lut_of(kc, k_lut, "ragged_decode_attention", "k_lut");
+  V.lut = lut_of(vc, v_lut, "ragged_decode_attention", "v_lut");
   TORCH_CHECK(query.dim() == 3, "query must be [T, Hq, D]");
   const int64_t T_ = query.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t H = kc.size(1);
@@ -346,9 +406,14 @@ std::tuple<Tensor, Tensor> ragged_decode_attention(Tensor query, Tensor kc, Tens
       }
   }
   const Dtype dt = dtype_of(kc.scalar_type(), "ragged_decode_attention");
-  // the query is read in its own dtype when it matches the cache (else as fp32); the output has its dtype
-  const bool same = query.scalar_type() == kc.scalar_type();
+  // the query is read in its own dtype when it matches the cache (else as fp32); the output has its dtype.
+  // An fp8 cache's query is read in its own dtype (fp32, bf16 or fp16; others as fp32)
+  const bool fp8 = dt == Dtype::fp8;
+  const at::ScalarType qt = query.scalar_type();
+  const bool q_own = fp8 && (qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf);
+  const bool same = qt == kc.scalar_type() || q_own;
   const Tensor q = same ? query : query.to(at::kFloat);
+  const Dtype q_type = q_own ? dtype_of(qt, "ragged_decode_attention") : Dtype::f32;
   Tensor out = at::empty({T_, Hq, D}, q.options());
   Tensor lse = at::empty({T_, Hq}, q.options().dtype(at::kFloat));
   const bool has_m = n.has_value();
@@ -364,7 +429,7 @@ std::tuple<Tensor, Tensor> ragged_decode_attention(Tensor query, Tensor kc, Tens
                 "moments must be n [T, H], sum_k/sum_v [T, H, D], sum_vk [T, H, D, D]");
   }
   const int l = level();
-  DecodeArgs a{dt, same, q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), cache_view(kc), cache_view(vc), D,
+  DecodeArgs a{dt, same, q_type, q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), K, V, D,
                pt, P, sl, T_, H, Hq / H, static_cast<float>(scale),
                has_m ? mn.data_ptr<float>() : nullptr, has_m ? msk.data_ptr<float>() : nullptr,
                has_m ? msv.data_ptr<float>() : nullptr, has_m ? msvk.data_ptr<float>() : nullptr,
@@ -381,11 +446,13 @@ TORCH_LIBRARY(vllm_contour, m) {
   m.def("compact(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor src_page, Tensor src_off, "
         "Tensor dst_page, Tensor dst_off) -> ()");
   m.def("accumulate_moments(Tensor key_cache, Tensor value_cache, Tensor page_ids, Tensor offsets, "
-        "Tensor head_of_token, Tensor(a!) n, Tensor(b!) sum_k, Tensor(c!) sum_v, Tensor(d!) sum_vk) -> ()");
+        "Tensor head_of_token, Tensor(a!) n, Tensor(b!) sum_k, Tensor(c!) sum_v, Tensor(d!) sum_vk, "
+        "Tensor? k_lut=None, Tensor? v_lut=None) -> ()");
   m.def("ragged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor page_table, "
         "Tensor seq_lens, float scale, Tensor? n=None, Tensor? sum_k=None, Tensor? sum_v=None, "
-        "Tensor? sum_vk=None) -> (Tensor, Tensor)");
+        "Tensor? sum_vk=None, Tensor? k_lut=None, Tensor? v_lut=None) -> (Tensor, Tensor)");
   m.def("gather_pages(Tensor[] caches, Tensor ids, Tensor(a!) out) -> ()");
+  m.def("gather_pages_lut(Tensor[] caches, Tensor ids, Tensor luts, Tensor(a!) out) -> ()");
   m.def("decode_path(str layout=\"amx\") -> str", &contour::decode_path);
   m.def("cpu_isa() -> str", &contour::cpu_isa);
   m.def("set_cpu_isa(str isa) -> str", &contour::set_cpu_isa);
@@ -399,6 +466,7 @@ TORCH_LIBRARY_IMPL(vllm_contour, CPU, m) {
   m.impl("accumulate_moments", &contour::accumulate_moments);
   m.impl("ragged_decode_attention", &contour::ragged_decode_attention);
   m.impl("gather_pages", &contour::gather_pages);
+  m.impl("gather_pages_lut", &contour::gather_pages_lut);
 }
 
 // An (empty) Python module, so that `import vllm_contour._C` loads the library and runs the registrations.

@@ -21,7 +21,8 @@ namespace contour {
 constexpr const char* kTarget = "avx2,fma,f16c,bmi,bmi2,lzcnt,movbe";
 
 const Kernels& kernels_avx2() {
-  static const Kernels k{"avx2", kTarget, &isa_avx2::compact, &isa_avx2::gather, &isa_avx2::accumulate,
+  static const Kernels k{"avx2", kTarget, &isa_avx2::compact, &isa_avx2::gather, &isa_avx2::gather_lut,
+                         &isa_avx2::accumulate,
                          &isa_avx2::decode};
   return k;
 }

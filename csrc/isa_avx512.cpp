@@ -22,7 +22,8 @@ namespace contour {
 constexpr const char* kTarget = "avx2,fma,f16c,bmi,bmi2,lzcnt,movbe,avx512f,avx512bw,avx512vl,avx512dq,avx512cd";
 
 const Kernels& kernels_avx512() {
-  static const Kernels k{"avx512", kTarget, &isa_avx512::compact, &isa_avx512::gather, &isa_avx512::accumulate,
+  static const Kernels k{"avx512", kTarget, &isa_avx512::compact, &isa_avx512::gather, &isa_avx512::gather_lut,
+                         &isa_avx512::accumulate,
                          &isa_avx512::decode};
   return k;
 }

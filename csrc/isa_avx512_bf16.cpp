@@ -27,7 +27,7 @@ constexpr const char* kTarget =
     "avx2,fma,f16c,bmi,bmi2,lzcnt,movbe,avx512f,avx512bw,avx512vl,avx512dq,avx512cd,avx512bf16";
 
 const Kernels& kernels_avx512_bf16() {
-  static const Kernels k{"avx512_bf16", kTarget, nullptr, nullptr, nullptr, &isa_avx512_bf16::decode};
+  static const Kernels k{"avx512_bf16", kTarget, nullptr, nullptr, nullptr, nullptr, &isa_avx512_bf16::decode};
   return k;
 }
 

@@ -16,7 +16,8 @@ namespace contour {
 constexpr const char* kTarget = "";
 
 const Kernels& kernels_generic() {
-  static const Kernels k{"generic", kTarget, &isa_generic::compact, &isa_generic::gather, &isa_generic::accumulate,
+  static const Kernels k{"generic", kTarget, &isa_generic::compact, &isa_generic::gather, &isa_generic::gather_lut,
+                         &isa_generic::accumulate,
                          &isa_generic::decode};
   return k;
 }

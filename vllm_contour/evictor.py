@@ -2,7 +2,8 @@
 (moments -> compaction -> moment storage, only through ``ops``). Pure torch.
 
 The caller hands per-layer ``(key_cache, value_cache)`` views ``[num_blocks, H, bs, D]`` (any strides, or
-the two-level form of ``ops.paged``), the request's block ids in logical order (freed blocks may appear as
+the two-level form of ``ops.paged``; an fp8 cache's as ``ops.fp8.KVViews`` with each layer's tables: scoring
+and moments read its numbers, compaction moves its bytes), the request's block ids in logical order (freed blocks may appear as
 anything: they are never read), how many tokens have KV, the request's page budget and, for query-aware
 policies, the captured window queries.
 
@@ -30,6 +31,7 @@ from vllm_contour import ops
 from vllm_contour.budget import PageBudget
 from vllm_contour.config import RequestEviction
 from vllm_contour.layout import RequestLayout, compaction_indices, plan_layout, region_source_table
+from vllm_contour.ops.fp8 import dequant_of, luts_of
 from vllm_contour.ops.paged import dims
 from vllm_contour.policies import LayerInputs, Policy, Selection, build_policy
 
@@ -262,8 +264,9 @@ def _finish(caches, prep: _Prepared, sels: list[Selection], policy: Policy, budg
 
 
 def _gather(caches, side: int, ids: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-    """Head-pages ``ids`` of every layer's key (``side`` 0) or value (1) cache as ``[rows, width, D]``."""
-    return ops.gather_pages([c[side] for c in caches], ids).view(rows, width, -1)
+    """Head-pages ``ids`` of every layer's key (``side`` 0) or value (1) cache as ``[rows, width, D]`` (an fp8
+    cache's numbers, fp32)."""
+    return ops.gather_pages([c[side] for c in caches], ids, luts=luts_of(caches, side)).view(rows, width, -1)
 
 
 def _first_round_inputs(caches, blocks, num_tokens, e_new, block_ids, h, scale, q_all, query_positions,
@@ -359,7 +362,7 @@ def apply_rounds(caches: list[tuple[torch.Tensor, torch.Tensor]], plans: list[Ro
     equals applying them one after another. A failure leaves every round of the batch partly applied."""
     with on_device(caches[0][0]):
         for layer, (kc, vc) in enumerate(caches):
-            stats = [_layer_moments(kc, vc, plan, layer) for plan in plans]
+            stats = [_layer_moments(kc, vc, plan, layer, dequant_of(caches, layer)) for plan in plans]
             moves = [plan.layers[layer].moves for plan in plans]
             ops.compact(kc, vc, *(moves[0] if len(moves) == 1 else [torch.cat(m) for m in zip(*moves)]))
             for plan, st in zip(plans, stats):  # after the compaction: moment pages may have held source tokens
@@ -369,7 +372,7 @@ def apply_rounds(caches: list[tuple[torch.Tensor, torch.Tensor]], plans: list[Ro
     return [plan.layout for plan in plans]
 
 
-def _layer_moments(kc, vc, plan: RoundPlan, layer: int) -> dict | None:
+def _layer_moments(kc, vc, plan: RoundPlan, layer: int, dequant=None) -> dict | None:
     """The layer's moments of the evicted set after this round (the previous round's, read from their
     pages, plus this round's evicted tokens, read where they still sit); None without moment pages."""
     layout, prev = plan.layout, plan.prev
@@ -385,5 +388,5 @@ def _layer_moments(kc, vc, plan: RoundPlan, layer: int) -> dict | None:
     else:
         stats = mom_math.Moments.zeros((h,), d).as_dict()
     ev_p, ev_o, ev_h = plan.layers[layer].evicted
-    ops.accumulate_moments(kc, vc, ev_p, ev_o, ev_h, stats)
+    ops.accumulate_moments(kc, vc, ev_p, ev_o, ev_h, stats, dequant=dequant)
     return stats

@@ -160,3 +160,33 @@ def test_an_mla_model_is_refused_naming_it():
     cfg = SimpleNamespace(model_config=SimpleNamespace(use_mla=True, model="deepseek-ai/DeepSeek-V2-Lite"))
     with pytest.raises(EvictionConfigError, match="DeepSeek-V2-Lite.*multi-head latent attention"):
         check_against_cache(EvictionConfig(policy="snapkv"), cfg)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_cpu_accepts_fp8_caches_with_one_byte_elements(kv_dtype):
+    """vLLM's CPU fp8 caches (uint8 pages, ``ops/fp8.py``): accepted with eviction on CPU; budgets count one
+    byte per element (twice bf16's tokens in the same bytes)."""
+    import torch
+    from types import SimpleNamespace
+
+    from vllm_contour.integration.frontend.engine_args import cache_shape_of
+
+    _prepare(_args(kv_cache_dtype=kv_dtype))
+    mc = SimpleNamespace(dtype=torch.bfloat16, get_num_kv_heads=lambda pc: 2, get_head_size=lambda: 64)
+    cfg = SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(cache_dtype=kv_dtype, block_size=32),
+                          parallel_config=None)
+    assert cache_shape_of(cfg).elem_size == 1
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_turboquant_is_refused_naming_the_flag(monkeypatch, cuda):
+    """TurboQuant's slots (rotated, 3-8 bit keys and values of every head in one slot per token) have no
+    per-head pages to compact: refused on both platforms, naming ``--kv-cache-dtype``."""
+    from vllm.platforms import current_platform
+
+    if cuda:
+        monkeypatch.setattr(type(current_platform), "device_type", "cuda", raising=False)
+    from vllm_contour.integration.frontend.platforms import platform_of
+
+    with pytest.raises(EvictionConfigError, match="--kv-cache-dtype turboquant_4bit_nc.*TurboQuant"):
+        platform_of(current_platform.device_type).check_kv_cache_dtype("turboquant_4bit_nc")

@@ -14,6 +14,10 @@ head-pages, so they are bytes of vLLM's pool), raw page elements (``read_page_el
 ``copy_blocks`` go through the same dispatch; they are written through the logical key/value views, so they
 work on every layout the views express.
 
+fp8 caches (vLLM's uint8 pages, ``fp8.py``): the ops that read numbers take the layer's tables (``dequant``:
+``fp8.KVDequant``; ``gather_pages``: ``luts [L, 256]``) and only implementations that read them are picked
+(``cpp`` where the loaded module has them, ``torch``); the ops that move bytes take them as any dtype.
+
 Choose explicitly with ``impl=...`` or, for debugging, ``VLLM_CONTOUR_OPS_IMPL=torch``.
 """
 
@@ -110,12 +114,16 @@ def compact(key_cache, value_cache, src_page, src_off, dst_page, dst_off, impl: 
 
 
 def accumulate_moments(key_cache, value_cache, page_ids, offsets, head_of_token, moments: dict,
-                       impl: str | None = None):
+                       impl: str | None = None, dequant=None):
     """Add the tokens ``(page_ids, offsets)`` to the fp32 moments (``n [H]``, ``sum_k [H, D]``,
-    ``sum_v [H, D]``, ``sum_vk [H, D, D]``) of KV head ``head_of_token``, in place. Returns ``moments``."""
+    ``sum_v [H, D]``, ``sum_vk [H, D, D]``) of KV head ``head_of_token``, in place (an fp8 cache: of the
+    numbers its ``dequant`` tables read). Returns ``moments``."""
     fn = _pick("accumulate_moments", impl, key_cache.device.type, key_cache=key_cache,
-               value_cache=value_cache)
-    fn(key_cache, value_cache, page_ids, offsets, head_of_token, moments)
+               value_cache=value_cache, dequant=dequant)
+    if dequant is None:
+        fn(key_cache, value_cache, page_ids, offsets, head_of_token, moments)
+    else:
+        fn(key_cache, value_cache, page_ids, offsets, head_of_token, moments, dequant=dequant)
     return moments
 
 
@@ -159,17 +167,20 @@ def copy_blocks(caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tup
     fn(caches, pairs)
 
 
-def gather_pages(views: list[torch.Tensor], ids: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+def gather_pages(views: list[torch.Tensor], ids: torch.Tensor, impl: str | None = None,
+                 luts: torch.Tensor | None = None) -> torch.Tensor:
     """Head-pages ``ids`` (``block * H + lane``; ``[M]`` for every layer, or ``[L, M]``) of every layer's cache
-    view (one layout) in logical order: a new ``[L, M, bs, D]`` tensor (what scoring reads). A plain copy:
-    ``VLLM_CONTOUR_OPS_IMPL`` picks the implementation only where it names one of this op's (on CUDA, torch's
-    indexing)."""
+    view (one layout) in logical order: a new ``[L, M, bs, D]`` tensor (what scoring reads). A plain copy;
+    fp8 caches with ``luts [L, 256]`` (each layer's key or value table, ``fp8.KVDequant``): their numbers,
+    fp32. ``VLLM_CONTOUR_OPS_IMPL`` picks the implementation only where it names one of this op's (on CUDA,
+    torch's indexing)."""
     dev = views[0].device.type
+    kw = {"luts": luts} if luts is not None else {}
     if impl is None:
-        names = available("gather_pages", dev, key_cache=views[0])
+        names = available("gather_pages", dev, key_cache=views[0], **kw)
         forced = os.environ.get("VLLM_CONTOUR_OPS_IMPL") or None
         impl = forced if forced in names else names[0]
-    return _pick("gather_pages", impl, dev, key_cache=views[0])(views, ids)
+    return _pick("gather_pages", impl, dev, key_cache=views[0], **kw)(views, ids, **kw)
 
 
 def _compacted_by_tables(query, key_cache, value_cache, rows, layer: int, scale, moments=None, out=None,
@@ -206,8 +217,9 @@ def compacted_attention(query, key_cache, value_cache, rows, layer: int, scale, 
     forced = impl or os.environ.get("VLLM_CONTOUR_OPS_IMPL") or None
     own = forced if forced in ("triton", "tables") else None
     dev = query.device.type
-    own = own or available("compacted_attention", dev, forced=forced)[0]
-    fn = _pick("compacted_attention", own, dev, forced=forced)
+    fp8 = {"dequant": extra["dequant"]} if extra.get("dequant") is not None else {}
+    own = own or available("compacted_attention", dev, forced=forced, **fp8)[0]
+    fn = _pick("compacted_attention", own, dev, forced=forced, **fp8)
     if fn is _compacted_by_tables:
         inner = None if forced in (None, "triton", "tables") else forced
         return fn(query, key_cache, value_cache, rows, layer, scale, moments=moments, out=out, inner=inner, **extra)
@@ -234,7 +246,7 @@ def ragged_decode_attention(query, key_cache, value_cache, page_table, seq_lens,
     ``moments`` (dict ``n [T, H]``, ``sum_k``/``sum_v [T, H, D]``, ``sum_vk [T, H, D, D]``) mixes in the
     evicted part as ``vllm_contour.moments.merge_evicted`` defines. ``out`` (``[T, Hq, D]``, e.g. a view of
     the attention layer's output rows): the result is written there (in place where the implementation
-    can, else copied)."""
+    can, else copied). ``dequant`` (an fp8 cache's ``fp8.KVDequant``) goes with ``extra``."""
     fn = _pick("ragged_decode_attention", impl, key_cache.device.type, moments=moments is not None,
                need_lse=need_lse, key_cache=key_cache, value_cache=value_cache, **extra)
     o, lse = fn(query, key_cache, value_cache, page_table, seq_lens, scale, moments=moments, out=out, **extra)

@@ -82,7 +82,17 @@ def load(jit: bool | None = None):
     return _mod
 
 
-def _cpu(dev: str, key_cache=None, **kw) -> bool:
+def _fp8_ops(mod) -> bool:
+    """Does the loaded module read fp8 pages (its decode takes tables; a module built before them does not)?"""
+    return hasattr(mod, "gather_pages_lut") and "k_lut" in str(mod.ragged_decode_attention.default._schema)
+
+
+_FP8 = [False]  # the loaded module reads fp8 pages
+
+
+def _cpu(dev: str, key_cache=None, dequant=None, luts=None, **kw) -> bool:
+    if (dequant is not None or luts is not None) and not _FP8[0]:
+        return False
     return dev == "cpu" and (key_cache is None or key_cache.dim() in (4, 6))
 
 
@@ -94,26 +104,40 @@ def _register(mod) -> None:
     _accumulate = mod.accumulate_moments.default
     _decode = mod.ragged_decode_attention.default
     _gather = mod.gather_pages.default
+    _FP8[0] = _fp8_ops(mod)
+    _gather_lut = mod.gather_pages_lut.default if _FP8[0] else None
 
     def compact(key_cache, value_cache, src_page, src_off, dst_page, dst_off):
         _compact(key_cache, value_cache, src_page, src_off, dst_page, dst_off)
 
-    def accumulate_moments(key_cache, value_cache, page_ids, offsets, head_of_token, moments):
-        _accumulate(key_cache, value_cache, page_ids, offsets, head_of_token, moments["n"],
-                               moments["sum_k"], moments["sum_v"], moments["sum_vk"])
+    def accumulate_moments(key_cache, value_cache, page_ids, offsets, head_of_token, moments, dequant=None):
+        if dequant is None:
+            _accumulate(key_cache, value_cache, page_ids, offsets, head_of_token, moments["n"],
+                        moments["sum_k"], moments["sum_v"], moments["sum_vk"])
+        else:
+            _accumulate(key_cache, value_cache, page_ids, offsets, head_of_token, moments["n"],
+                        moments["sum_k"], moments["sum_v"], moments["sum_vk"], dequant.k, dequant.v)
         return moments
 
     def ragged_decode_attention(query, key_cache, value_cache, page_table, seq_lens, scale, moments=None,
-                                **_):
+                                dequant=None, **_):
+        luts = () if dequant is None else (dequant.k, dequant.v)
         if moments is None:
+            if luts:
+                return _decode(query, key_cache, value_cache, page_table, seq_lens, float(scale), None, None, None,
+                               None, *luts)
             out, lse = _decode(query, key_cache, value_cache, page_table, seq_lens, float(scale))
         else:
             out, lse = _decode(query, key_cache, value_cache, page_table, seq_lens, float(scale), moments["n"],
-                               moments["sum_k"], moments["sum_v"], moments["sum_vk"])
+                               moments["sum_k"], moments["sum_v"], moments["sum_vk"], *luts)
         return out, lse
 
-    def gather_pages(views, ids):
+    def gather_pages(views, ids, luts=None):
         _, _, bs, d = dims(views[0])
+        if luts is not None:
+            out = torch.empty((len(views), ids.shape[-1], bs, d), dtype=torch.float32)
+            _gather_lut(views, ids, luts.to(torch.float32).contiguous(), out)
+            return out
         out = torch.empty((len(views), ids.shape[-1], bs, d), dtype=views[0].dtype)
         _gather(views, ids, out)
         return out

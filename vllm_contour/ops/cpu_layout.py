@@ -7,8 +7,9 @@ kernel (bf16) packs both for its tiles (keys in 16-token groups with pairs of di
 with pairs of tokens interleaved in 16-dim column groups). Every layout vLLM writes is *separable with
 two levels*: ``t = t1*tg + t2``, ``c = c1*dg + c2`` and offset ``t1*ts1 + t2*ts2 + c1*cs1 + c2*cs2``.
 ``PageLayout`` is that description, one ``Split`` for keys and one for values. ``probe_layout`` finds it
-by writing known elements with vLLM's own ``cpu_attn_reshape_and_cache`` (once per ISA, dtype, bs, D) and
-fitting the splits to where they land; a layout that fits no split is refused with a message.
+by writing known elements with vLLM's own ``cpu_attn_reshape_and_cache`` (once per ISA, dtype, bs, D and
+cache dtype: an fp8 cache holds one byte per element in the layout of the model dtype's ISA) and fitting
+the splits to where they land; a layout that fits no split is refused with a message.
 
 ``cpu_kv_views`` turns a description into strided views: ``[B, H, bs, D]`` when both levels collapse (one
 token stride, one dim stride), else ``[B, H, bs/tg, tg, D/dg, dg]``. The torch reference, the C++ kernels
@@ -134,25 +135,34 @@ def fit_split(offsets: torch.Tensor) -> Split | None:
     return Split(tok[0], tok[1], tok[2], dim[0], dim[1], dim[2])
 
 
-def written_offsets(write, dtype: torch.dtype, block_size: int, head_dim: int):
-    """Where ``write(key, value, key_cache, value_cache, slot_mapping)`` puts every element: two passes of
-    small integers (exact in every float dtype) encode each element's logical index ``t*D + c``. Returns
-    ``([bs, D] key offsets, [bs, D] value offsets)`` inside one head-page (values from the page start), or
-    None when the write does not place each element exactly once."""
+def written_offsets(write, dtype: torch.dtype, block_size: int, head_dim: int, fp8: torch.dtype | None = None):
+    """Where ``write(key, value, key_cache, value_cache, slot_mapping)`` puts every element: passes of small
+    integers (exact in every float dtype: digits of base 128; of base 8 into an fp8 cache, ``fp8`` its byte
+    encoding) encode each element's logical index ``t*D + c``. Returns ``([bs, D] key offsets, [bs, D] value
+    offsets)`` inside one head-page (values from the page start), or None when the write does not place each
+    element exactly once."""
     bs, d = block_size, head_dim
     n = bs * d
     ids = torch.arange(n)
-    got = []
-    for part in (ids % 128, ids // 128):
-        kv = torch.full((2, 1, bs, 2 * d), -1.0, dtype=dtype)
+    base = 8 if fp8 is not None else 128
+    passes = 1
+    while base ** passes < n:
+        passes += 1
+    logical = torch.zeros(2 * n, dtype=torch.int64)
+    for i in range(passes):
+        part = (ids // base ** i) % base
+        if fp8 is not None:  # a byte no digit encodes (negative in both encodings) marks what was not written
+            kv = torch.full((2, 1, bs, 2 * d), 0xF8, dtype=torch.uint8)
+        else:
+            kv = torch.full((2, 1, bs, 2 * d), -1.0, dtype=dtype)
         view = kv.view(2, 1, 2 * bs, d)
         x = part.to(torch.float32).view(bs, 1, d).to(dtype)
         write(x, x.clone(), view[:, :, :bs], view[:, :, bs:], torch.arange(bs, 2 * bs))
-        got.append(kv[1, 0].reshape(-1).to(torch.float32))
-    lo, hi = got
-    logical = (hi * 128 + lo).to(torch.int64)
-    if bool(((lo < 0) | (hi < 0)).any()):
-        return None
+        got = kv[1, 0].reshape(-1)
+        got = got.view(fp8).to(torch.float32) if fp8 is not None else got.to(torch.float32)
+        if bool((got < 0).any()):
+            return None
+        logical += got.to(torch.int64) * base ** i
     out = []
     for half in (logical[:n], logical[n:]):
         if not torch.equal(torch.sort(half).values, ids):
@@ -164,17 +174,24 @@ def written_offsets(write, dtype: torch.dtype, block_size: int, head_dim: int):
 
 
 @functools.lru_cache(maxsize=None)
-def probe_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> PageLayout:
-    """The layout vLLM's ``cpu_attn_reshape_and_cache`` writes for (isa, dtype, bs, D), measured."""
+def probe_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int,
+                 kv_cache_dtype: str = "auto") -> PageLayout:
+    """The layout vLLM's ``cpu_attn_reshape_and_cache`` writes for (isa, dtype, bs, D) into a cache of
+    ``kv_cache_dtype`` ("auto": the model dtype; an fp8 name: one byte per element), measured."""
     from vllm import _custom_ops as vops
 
-    def write(k, v, kc, vc, slots):
-        vops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+    from .fp8 import FP8_ENCODINGS
 
-    what = f"isa={isa} dtype={str(dtype).replace('torch.', '')} block_size={block_size} head_dim={head_dim}"
+    fp8 = FP8_ENCODINGS.get(kv_cache_dtype)
+
+    def write(k, v, kc, vc, slots):
+        vops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, kv_cache_dtype=kv_cache_dtype)
+
+    stored = f" kv_cache_dtype={kv_cache_dtype}" if fp8 is not None else ""
+    what = f"isa={isa} dtype={str(dtype).replace('torch.', '')}{stored} block_size={block_size} head_dim={head_dim}"
     advice = _advice(dtype)
     try:
-        offs = written_offsets(write, dtype, block_size, head_dim)
+        offs = written_offsets(write, dtype, block_size, head_dim, fp8)
     except Exception as e:  # vLLM refuses the combination itself
         raise RuntimeError(f"kv_eviction: vLLM's CPU cache write fails for {what} ({e}). {advice}") from None
     layout = None
@@ -182,7 +199,8 @@ def probe_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -
         n = block_size * head_dim
         ks, vs = fit_split(offs[0]), fit_split(offs[1] - n)
         if ks is not None and vs is not None:
-            layout = PageLayout(block_size, head_dim, ks, vs, f"vLLM {isa} {str(dtype).replace('torch.', '')}")
+            layout = PageLayout(block_size, head_dim, ks, vs,
+                                f"vLLM {isa} {str(dtype).replace('torch.', '')}{' ' + kv_cache_dtype if fp8 else ''}")
     if layout is None:
         raise RuntimeError(f"kv_eviction: unknown layout of vLLM's CPU cache for {what}; eviction cannot run "
                            f"on it. {advice}")

@@ -43,10 +43,14 @@ def pages(c: torch.Tensor, blk, lane=None) -> torch.Tensor:
     return p.reshape(*p.shape[:-4], bs, d)
 
 
-def gather_pages_ref(views: list[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+def gather_pages_ref(views: list[torch.Tensor], ids: torch.Tensor, luts: torch.Tensor | None = None) -> torch.Tensor:
     """Head-pages ``ids`` (``block * H + lane``; ``[M]`` for every layer, or ``[L, M]``) of every layer's cache
     view in logical order, one new tensor ``[L, M, bs, D]``: one copy per layer (an ``index_select`` straight
-    into the result where a view's blocks and lanes merge into one axis, as in vLLM's caches)."""
+    into the result where a view's blocks and lanes merge into one axis, as in vLLM's caches). fp8 caches
+    (uint8) with ``luts [L, 256]`` (each layer's table, ``ops.fp8``): their numbers, fp32."""
+    if luts is not None:
+        raw = gather_pages_ref(views, ids)
+        return torch.stack([luts[layer].to(raw.device)[raw[layer].to(torch.int64)] for layer in range(len(views))])
     _, h, bs, d = dims(views[0])
     m = ids.shape[-1]
     out = torch.empty((len(views), m, bs, d), dtype=views[0].dtype, device=views[0].device)

@@ -4,7 +4,9 @@ Cache convention for every op: ``key_cache`` and ``value_cache`` are ``[num_bloc
 views with arbitrary strides (vLLM's CPU layout ``[B, H, bs, 2D]`` gives K rows then V rows inside one
 contiguous head-page; GPU layouts interleave heads per token), or the two-level
 ``[num_blocks, H, bs/tg, tg, D/dg, dg]`` form of packed layouts (vLLM's AMX pages, see ``cpu_layout``),
-read and written through ``paged``. A head-page id is ``block * H + lane``.
+read and written through ``paged``. A head-page id is ``block * H + lane``. fp8 caches are uint8 views whose
+ops that read numbers take ``dequant`` (``ops.fp8.KVDequant``: the layer's byte -> fp32 tables); ops that move
+bytes treat them as any other dtype.
 """
 
 from __future__ import annotations
@@ -38,9 +40,18 @@ def compact_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, src_page: to
     set_rows(value_cache, db, dl, do, v)
 
 
+def _numbers(x: torch.Tensor, lut: torch.Tensor | None) -> torch.Tensor:
+    """Cache elements as fp32 numbers: floats widened, fp8 bytes through their table."""
+    if x.dtype == torch.uint8:
+        if lut is None:
+            raise ValueError("an fp8 (uint8) cache is read only through its tables (dequant=KVDequant)")
+        return lut.to(x.device)[x.to(torch.int64)]
+    return x.to(torch.float32)
+
+
 def ragged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                 page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                moments=None, **_):
+                                moments=None, dequant=None, **_):
     """Decode attention over per-head ragged page lists.
 
     query ``[T, Hq, D]`` (one token per row); ``page_table [T, H, P]`` head-page ids, ``seq_lens [T, H]``
@@ -50,14 +61,15 @@ def ragged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, va
 
     ``moments`` (optional, see ``vllm_contour.moments``) mixes in the closed-form estimate of the evicted
     part: dict with ``n [T, H]``, ``sum_k [T, H, D]``, ``sum_v [T, H, D]``, ``sum_vk [T, H, D, D]`` fp32.
+    ``dequant``: an fp8 cache's tables (``ops.fp8.KVDequant``).
     """
     t, hq, d = query.shape
     _, h, bs, _ = dims(key_cache)
     g = hq // h
     p = page_table.shape[2]
     blk, lane = _split(page_table, h)  # [T, H, P]
-    k = pages(key_cache, blk, lane).to(torch.float32).reshape(t, h, p * bs, d)
-    v = pages(value_cache, blk, lane).to(torch.float32).reshape(t, h, p * bs, d)
+    k = _numbers(pages(key_cache, blk, lane), dequant and dequant.k).reshape(t, h, p * bs, d)
+    v = _numbers(pages(value_cache, blk, lane), dequant and dequant.v).reshape(t, h, p * bs, d)
     q = query.to(torch.float32).reshape(t, h, g, d)
     logits = torch.einsum("thgd,thnd->thgn", q, k) * scale
     valid = torch.arange(p * bs, device=k.device).view(1, 1, -1) < seq_lens.to(k.device, torch.int64).unsqueeze(-1)  # [T, H, N]
@@ -74,17 +86,17 @@ def ragged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, va
 
 
 def accumulate_moments_ref(key_cache: torch.Tensor, value_cache: torch.Tensor, page_ids: torch.Tensor,
-                           offsets: torch.Tensor, head_of_token: torch.Tensor, moments: dict) -> dict:
+                           offsets: torch.Tensor, head_of_token: torch.Tensor, moments: dict, dequant=None) -> dict:
     """Add tokens (head-page id, offset) to the fp32 moments of KV head ``head_of_token`` in place:
     ``n [H] += 1``, ``sum_k [H, D] += k``, ``sum_v [H, D] += v``, ``sum_vk [H, D, D] += v k^T`` (row: value
-    dim). Returns ``moments``."""
+    dim). fp8 caches: of the numbers ``dequant`` reads. Returns ``moments``."""
     if page_ids.numel() == 0:
         return moments
     h = key_cache.shape[1]
     blk, lane = _split(page_ids.reshape(-1), h)
     off = offsets.reshape(-1).to(torch.int64)
-    k = rows(key_cache, blk, lane, off).to(torch.float32)  # [M, D]
-    v = rows(value_cache, blk, lane, off).to(torch.float32)
+    k = _numbers(rows(key_cache, blk, lane, off), dequant and dequant.k)  # [M, D]
+    v = _numbers(rows(value_cache, blk, lane, off), dequant and dequant.v)
     hd = head_of_token.reshape(-1).to(torch.int64)
     hd = hd.to(moments["n"].device)
     moments["n"].index_add_(0, hd, torch.ones(hd.numel(), dtype=moments["n"].dtype, device=hd.device))

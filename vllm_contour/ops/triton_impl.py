@@ -17,9 +17,10 @@ from .reference import moment_page_rows, moments_of_page_rows
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _cuda(dev: str, **kw) -> bool:
-    """CUDA tensors; under Triton's interpreter (tests) CPU tensors too, when asked for by name."""
-    return dev == "cuda" or (_INTERPRET and dev == "cpu")
+def _cuda(dev: str, dequant=None, luts=None, **kw) -> bool:
+    """CUDA tensors; under Triton's interpreter (tests) CPU tensors too, when asked for by name. The Triton
+    kernels read no fp8 pages (``dequant`` / ``luts``): their ops go elsewhere."""
+    return dequant is None and luts is None and (dev == "cuda" or (_INTERPRET and dev == "cpu"))
 
 
 def store_moments(key_cache, value_cache, page_ids, packed) -> None:
@@ -73,10 +74,10 @@ def compacted_attention(query, key_cache, value_cache, rows, layer: int, scale, 
     return o
 
 
-def _two_part(dev: str, forced: str | None = None, **kw) -> bool:
+def _two_part(dev: str, forced: str | None = None, dequant=None, **kw) -> bool:
     """CUDA; CPU tensors under the interpreter only when asked for by name (on CPU the C++ kernels, through
-    per-token tables, are the default)."""
-    return dev == "cuda" or (_INTERPRET and dev == "cpu" and forced == "triton")
+    per-token tables, are the default). No fp8 pages (``dequant``)."""
+    return dequant is None and (dev == "cuda" or (_INTERPRET and dev == "cpu" and forced == "triton"))
 
 
 register_impl("compact", "triton", triton_ops.compact, _cuda)

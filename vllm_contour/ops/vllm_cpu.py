@@ -30,11 +30,12 @@ _HAVE = None
 
 
 def _supports(device_type: str, moments: bool = False, need_lse: bool = False, key_cache=None,
-              value_cache=None, native: bool = False, **kw) -> bool:
+              value_cache=None, native: bool = False, dequant=None, **kw) -> bool:
     """Only for caches in vLLM's native CPU layout (the caller says so with ``native=True``: the kernel
-    reads page interiors in its own format), one head-page per (block, head) at a fixed stride."""
+    reads page interiors in its own format), one head-page per (block, head) at a fixed stride; not fp8
+    pages (``dequant``: the plugin's tables are not passed to vLLM's kernel)."""
     global _HAVE
-    if device_type != "cpu" or moments or need_lse or not native:
+    if device_type != "cpu" or moments or need_lse or not native or dequant is not None:
         return False
     from .paged import dims
 

@@ -96,7 +96,8 @@ class ContourBuilder:
 
 class ContourImpl:
     """Mixed in before a vLLM attention impl: ``forward`` as vLLM's, then the compacted tokens and the
-    captures. ``kv_views(kv_cache)`` gives the layer's ``[B, H, bs, D]`` key / value views."""
+    captures. ``kv_views(kv_cache)`` gives the layer's ``[B, H, bs, D]`` key / value views, ``kv_dequant(layer,
+    kv_cache)`` how an fp8 cache's bytes read (``ops.fp8.KVDequant``; None: the elements are numbers)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -122,8 +123,11 @@ class ContourImpl:
             except Exception as e:
                 logger.warning("kv_eviction: could not capture window queries (%s)", e)
         if rows is not None:
-            self._compacted(q3, kv_cache, step, rows, layer_idx, output)
+            self._compacted(q3, kv_cache, step, rows, layer_idx, output, layer)
         return output
+
+    def kv_dequant(self, layer, kv_cache):
+        return None
 
     @staticmethod
     def _compacted_only(rows, attn_metadata) -> bool:
@@ -140,13 +144,15 @@ class ContourImpl:
             cached = self._contour_views = (key, self.kv_views(kv_cache))
         return cached[1]
 
-    def _compacted(self, q3, kv_cache, step: ContourStep, rows, layer_idx: int, output) -> None:
+    def _compacted(self, q3, kv_cache, step: ContourStep, rows, layer_idx: int, output, layer=None) -> None:
         key_cache, value_cache = self._layer_views(kv_cache)
         n = rows.num_tokens
         out3 = output[:n].view(n, self.num_heads, self.head_size)
         last = None
         for impl in (None, "torch"):  # the best implementation, then the reference
             try:
+                dq = self.kv_dequant(layer, kv_cache)
+                fp8 = {} if dq is None else {"dequant": dq}
                 moments = None
                 if rows.with_moments:
                     h = key_cache.shape[1]
@@ -156,7 +162,7 @@ class ContourImpl:
                     moments = {k: torch.where(keep.view(-1, *([1] * (v.dim() - 1))), v, torch.zeros_like(v))
                                for k, v in moments.items()}
                 ops.compacted_attention(q3[:n], key_cache, value_cache, rows, layer_idx, self.scale,
-                                        moments=moments, out=out3, impl=impl, native=True)
+                                        moments=moments, out=out3, impl=impl, native=True, **fp8)
                 return
             except Exception as e:
                 last = e

@@ -112,7 +112,9 @@ def prepare_engine_args(engine_args) -> EvictionConfig:
         # hidden requests) only when the server's policy uses it (a request asking for it later checks them)
         features = frozenset({"reconstruction"}) if build_policy(cfg.policy).needs_reconstruction else frozenset()
         vllm_hooks.require(features)
-        platform_of(current_platform.device_type).prepare(engine_args)
+        platform = platform_of(current_platform.device_type)
+        platform.prepare(engine_args)
+        platform.check_kv_cache_dtype(getattr(engine_args, "kv_cache_dtype", "auto"))
         ktc = engine_args.kv_transfer_config
         if ktc is None:
             from vllm.config import KVTransferConfig
@@ -163,14 +165,19 @@ def _check_speculative(spec) -> None:
 
 
 def cache_shape_of(vllm_config):
-    """Per-rank KV cache shape from vLLM's config (what the workers' caches will be)."""
+    """Per-rank KV cache shape from vLLM's config (what the workers' caches will be; an fp8 cache's elements are
+    bytes, so budgets in tokens cost half of bf16's bytes and moment pages twice the tokens)."""
+    import torch
+
     from vllm_contour.budget import CacheShape
 
-    from vllm_contour.integration.frontend.platforms import UNQUANTISED
+    from vllm_contour.integration.frontend.platforms import FP8, UNQUANTISED
 
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     named = UNQUANTISED.get(str(cc.cache_dtype))
     dtype = mc.dtype if cc.cache_dtype in (None, "auto") or named == str(mc.dtype).replace("torch.", "") else None
+    if str(cc.cache_dtype) in FP8:  # vLLM stores them as uint8 (the platform's check accepted them)
+        dtype = torch.uint8
     if dtype is None:
         raise EvictionConfigError(f"--kv-cache-dtype {cc.cache_dtype} cannot be combined with "
                                   f"--kv-eviction-policy yet (use auto, or the model's dtype {mc.dtype})")

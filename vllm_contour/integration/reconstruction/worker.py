@@ -12,6 +12,7 @@ import torch
 
 from vllm_contour import ops
 from vllm_contour.integration.messages import ReconItem, RoundItem
+from vllm_contour.ops.fp8 import luts_of
 from vllm_contour.ops.paged import dims
 from vllm_contour.policies.scorers.kvzip import reconstruction_max
 
@@ -56,7 +57,7 @@ class ContextScores:
         blocks = torch.tensor(item.block_ids, dtype=torch.int64)
         ids = (blocks.view(1, -1) * h + torch.arange(h).view(-1, 1)).reshape(-1).to(queries.device)
         last = int(positions.max()) + 1
-        keys = ops.gather_pages([k for k, _ in views], ids).view(num_layers, h, -1, d)[:, :, :last]
+        keys = ops.gather_pages([k for k, _ in views], ids, luts=luts_of(views, 0)).view(num_layers, h, -1, d)[:, :, :last]
         s, e = item.span
         for layer in range(num_layers):
             got = reconstruction_max(queries[layer].transpose(0, 1), positions, keys[layer], item.span,

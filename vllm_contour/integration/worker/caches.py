@@ -1,6 +1,7 @@
 """The evicting layers' KV caches as this worker sees them, found once at engine start: each layer's
 logical key / value views (on CPU through a probe of vLLM's own cache write: an unknown layout stops the
-engine with a message naming dtype and ISA), the cache's shape, the one attention scale every layer uses, the
+engine with a message naming dtype and ISA; an fp8 cache's with each layer's byte tables, ``ops.fp8``), the
+cache's shape (an fp8 cache's elements are bytes), the one attention scale every layer uses, the
 layers' place in the whole model (pipeline stages), and the query heads whose window queries rounds read.
 Nothing here changes after start-up.
 """
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_contour.budget import CacheShape
+from vllm_contour.ops.fp8 import KVViews
 from vllm_contour.ops.paged import dims
 
 if TYPE_CHECKING:
@@ -24,7 +26,7 @@ class WorkerCaches:
         self.layer_names = layer_names  # the full-attention layers (a hybrid model's others are vLLM's)
         self.named: list[tuple[str, torch.Tensor]] = []  # (layer, its cache), model order
         self.layer_index: dict[str, int] = {}  # the evicting layers, by name
-        self.views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.views: KVViews | None = None
         self.shape: CacheShape | None = None
         self.dims: tuple[int, int, int, int] | None = None  # (blocks, KV heads, block size, head dim)
         self.stage_layers: tuple[int, int] | None = None  # (first layer, model layers) of this pipeline stage
@@ -40,11 +42,19 @@ class WorkerCaches:
         self.named = named
         self.layer_index = {name: i for i, (name, _) in enumerate(named)}
         layer = next(iter(self.layers().values()))
-        views = getattr(layer.impl, "kv_views", None)
-        if views is None:
+        make_views = getattr(layer.impl, "kv_views", None)
+        if make_views is None:
             raise ValueError("kv_eviction: the attention backend in use is not the plugin's (another "
                              "--attention-backend?); eviction cannot run")
-        self.views = [views(kv) for _, kv in named]
+        views = [make_views(kv) for _, kv in named]
+        dequant = None
+        if views[0][0].dtype == torch.uint8:  # an fp8 cache: each layer's tables (its scales)
+            layers = self.layers()
+            dequant = [getattr(layers[n].impl, "kv_dequant", lambda *_: None)(layers[n], kv) for n, kv in named]
+            if any(d is None for d in dequant):
+                raise ValueError("kv_eviction: this attention backend reads no fp8 pages; eviction cannot run on "
+                                 "this --kv-cache-dtype")
+        self.views = KVViews(views, dequant)
         k0 = self.views[0][0]
         self.dims = dims(k0)
         _, heads, bs, hd = self.dims

@@ -1,7 +1,9 @@
 """What a worker keeps per request, for as long as the request runs: its compacted layout (mirrored into
 the kernel-ready ``PageTables``), where its round's window queries are (in blocks of vLLM's pool), and the
 layouts of shared compressed contexts that requests adopt. Owned by the worker side (``side.py``); a request that leaves (finished, preempted,
-recomputed) or starts over (a new epoch) loses its state at the start of the next step.
+recomputed) or starts over (a new epoch) loses its state at the start of the next step. The blocks of the
+windows it forgets (read by their round, replaced, or their request gone) are listed (``stale_pages``) for
+the worker side to zero where raw query bytes could read as NaN (fp8 caches).
 """
 
 from __future__ import annotations
@@ -50,9 +52,17 @@ class WorkerRequests:
         self.requests: dict[str, RequestState] = {}
         self.shared: dict[int, RequestLayout] = {}  # shared compressed contexts: entry id -> layout
         self.tables: PageTables | None = None
+        self.stale_pages: list[int] = []  # blocks of forgotten windows (their queries' raw bytes), not yet zeroed
+
+    def forget_window(self, rs: RequestState | None) -> None:
+        """The request's window is done with (its round read it, it is replaced, or the request is gone)."""
+        if rs is not None and rs.window is not None:
+            self.stale_pages.extend(rs.window.pages)
+            rs.window = None
 
     def drop(self, req_id: str) -> RequestState | None:
         rs = self.requests.pop(req_id, None)
+        self.forget_window(rs)
         if self.tables is not None:
             self.tables.drop(req_id)
         return rs
@@ -61,6 +71,7 @@ class WorkerRequests:
         """The request's state; a new epoch (the request started over) replaces the old state."""
         rs = self.requests.get(req_id)
         if rs is None or (epoch is not None and rs.epoch != epoch):
+            self.forget_window(rs)
             if rs is not None and self.tables is not None:
                 self.tables.drop(req_id)
             rs = self.requests[req_id] = RequestState(req_id, epoch or 0)

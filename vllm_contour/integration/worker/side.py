@@ -109,10 +109,12 @@ class WorkerSide:
                     continue
                 rs = reqs.state_for(c.req_id)
                 if rs.window is None or rs.window.pages != c.pages or rs.window.round_at != c.round_at:
+                    reqs.forget_window(rs)
                     rs.window = QueryWindow(c.window_start, c.round_at, c.pages)
             keys = {r: key for r, (key, _) in md.keys.items()}
             self._step_reqs = reqs.tables.set_keys(keys, [(c.req_id, keys[c.req_id], c.start, c.end)
                                                           for c in captures])
+            self._zero_stale_windows()
         except Exception as e:  # never into vLLM: forget this step's work, keep serving
             logger.warning("kv_eviction: could not start the step (%s); no round this step", e)
             self.message = ContourMetadata(keys=md.keys)
@@ -161,6 +163,23 @@ class WorkerSide:
         rs = self.requests.drop(req_id)
         self._clear_unread(rs.layout if rs is not None else None, req_id)
 
+    def _zero_stale_windows(self) -> None:
+        """Zero the blocks of forgotten windows before vLLM's pool hands them out again, on fp8 caches: a
+        query's raw bytes read as fp8 include NaN / inf patterns (e5m2), and vLLM's kernel reads a block past
+        a request's tokens (a NaN there poisons its output). Other caches' query bits read as finite numbers."""
+        pages, self.requests.stale_pages = self.requests.stale_pages, []
+        views = self.caches.views
+        if not pages or views is None or getattr(views, "dequant", None) is None:
+            return
+        try:
+            h = self.caches.dims[1]
+            ids = (torch.tensor(sorted(set(pages)), dtype=torch.int64).view(-1, 1) * h + torch.arange(h)).reshape(-1)
+            ids = ids.to(views[0][0].device)
+            for kc, vc in views:
+                ops.clear_pages(kc, vc, ids)
+        except Exception as e:  # never into vLLM
+            logger.warning("kv_eviction: could not zero the blocks of finished query windows (%s)", e)
+
     def _clear_unread(self, layout, owner: str) -> None:
         clear_unread(self.caches.views, self.requests, layout, owner)
 
@@ -178,9 +197,8 @@ class WorkerSide:
             self.rounds.run(list(md.rounds), self.caches.views, self.caches.scale() if md.rounds else 0.0,
                             self.caches.stage_layers, self._report, self._stats)
             for it in md.rounds:  # the round read its window: its pages go back to vLLM's pool
-                rs = self.requests.requests.get(it.req_id)
-                if rs is not None:
-                    rs.window = None
+                self.requests.forget_window(self.requests.requests.get(it.req_id))
+            self._zero_stale_windows()
             self.scores.drop_kept(md.scores_dropped)  # after the rounds: one of them may have read them
             self._stats.gauge("query_buffer_bytes", self.scores.nbytes)
         except Exception as e:  # never into vLLM: a round without an outcome may have moved bytes
