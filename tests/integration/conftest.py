@@ -128,6 +128,31 @@ def evicting_bf16(model_dir):
                       **PREEMPT)
 
 
+# fp8 pages (vLLM's CPU --kv-cache-dtype fp8: e4m3 bytes with per-layer scales) under a bf16 model; short
+# greedy prompts and a short decode: the engine checks stay cheap
+FP8_LLM = dict(BASE_LLM, dtype="bfloat16", kv_cache_dtype="fp8")
+FP8_GREEDY = dict(greedy_lengths=[90, 333, 700], greedy_max_tokens=16, greedy_logprobs=True)
+
+
+@pytest.fixture(scope="session")
+def stock_fp8(model_dir):
+    """Stock vLLM (the plugin not loaded) on fp8 pages: the tokens fp8 pages give without the plugin."""
+    return run_engine("stock_fp8", dict(FP8_LLM, model=model_dir), ["greedy"], env={"VLLM_PLUGINS": "none-allowed"},
+                      **FP8_GREEDY)
+
+
+@pytest.fixture(scope="session")
+def evicting_fp8(model_dir):
+    """The evicting engine on fp8 pages: the greedy prompts at a budget above each prompt, then a long prompt
+    and two short ones decoding together with rounds every 64 tokens (one with moment correction)."""
+    return run_engine("snapkv128_fp8", dict(FP8_LLM, model=model_dir,
+                                            additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
+                      ["greedy", "decode_bound"], greedy_extra_args={"kv_budget": 100000}, **FP8_GREEDY,
+                      bound_cases=[[700, 160], [80, 200, {"kv_budget": 200}],
+                                   [300, 120, {"kv_budget": 256, "kv_moment_correction": True}]],
+                      bound_extra_args={"kv_decode_interval": 64}, bound_logprobs=True)
+
+
 @pytest.fixture(scope="session")
 def gemma(model_dir):
     """The second bundled model, Gemma 3 270M (5 sliding-window layers per full-attention layer, one KV head of

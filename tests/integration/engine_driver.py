@@ -157,9 +157,12 @@ class StepGuard:
         engine.step = guarded
 
 
-def _drain(llm, on_step=None, reasons: dict | None = None) -> dict[str, list[int]]:
+def _drain(llm, on_step=None, reasons: dict | None = None, finite: dict | None = None) -> dict[str, list[int]]:
     """Step the engine until no request is left; -> {request id: generated token ids} of those finished.
-    ``on_step()`` runs after every step; ``reasons`` (if given) collects each request's finish reason."""
+    ``on_step()`` runs after every step; ``reasons`` (if given) collects each request's finish reason;
+    ``finite`` (requests sampled with ``logprobs=0``) whether every sampled token's logprob is finite."""
+    import math
+
     engine = llm.llm_engine
     outs: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
@@ -168,6 +171,9 @@ def _drain(llm, on_step=None, reasons: dict | None = None) -> dict[str, list[int
                 outs[o.request_id] = list(o.outputs[0].token_ids)
                 if reasons is not None:
                     reasons[o.request_id] = o.outputs[0].finish_reason
+                if finite is not None:
+                    lps = [d[t].logprob for d, t in zip(o.outputs[0].logprobs or [], o.outputs[0].token_ids)]
+                    finite[o.request_id] = len(lps) == len(o.outputs[0].token_ids) and all(map(math.isfinite, lps))
         if on_step is not None:
             on_step()
     return outs
@@ -200,14 +206,18 @@ def run_greedy(llm, spec, res):
     lengths = spec.get("greedy_lengths", [37, 90, 150, 260, 333, 480, 555, 700])
     prompts = _text_prompts(tok, lengths, 1) if tok is not None else _prompts(500, lengths, 1)
     extra = spec.get("greedy_extra_args")
+    lp = 0 if spec.get("greedy_logprobs") else None  # the sampled token's logprob: NaN anywhere shows there
     sp = SamplingParams(max_tokens=spec.get("greedy_max_tokens", 24), temperature=0, ignore_eos=True,
-                        extra_args=extra)
+                        extra_args=extra, logprobs=lp)
     free_trace = []
     engine = llm.llm_engine
     for i, p in enumerate(prompts):
         engine.add_request(f"g{i}", {"prompt_token_ids": p}, sp)
-    outs = _drain(llm, lambda: free_trace.append(_free(llm)))
+    finite = {} if lp is not None else None
+    outs = _drain(llm, lambda: free_trace.append(_free(llm)), finite=finite)
     res["greedy"] = [outs[f"g{i}"] for i in range(len(prompts))]
+    if finite is not None:
+        res["greedy_finite"] = [finite[f"g{i}"] for i in range(len(prompts))]
     res["greedy_lengths"] = lengths
     res["greedy_free_trace"] = free_trace
 
@@ -496,10 +506,11 @@ def run_decode_bound(llm, spec, res):
     prompts = _text_prompts(tok, [c[0] for c in cases], 4)
     engine = llm.llm_engine
     extra = spec.get("bound_extra_args")
+    lp = 0 if spec.get("bound_logprobs") else None  # the sampled token's logprob: NaN anywhere shows there
     snap = _snapshot(llm)
     for i, (p, case) in enumerate(zip(prompts, cases)):
         engine.add_request(f"B{i}", {"prompt_token_ids": p},
-                           SamplingParams(max_tokens=case[1], temperature=0, ignore_eos=True,
+                           SamplingParams(max_tokens=case[1], temperature=0, ignore_eos=True, logprobs=lp,
                                           extra_args={**(extra or {}), **(case[2] if len(case) > 2 else {})}))
     traces: dict[str, list[int]] = {f"B{i}": [] for i in range(len(cases))}
     computed: dict[str, list[int]] = {f"B{i}": [] for i in range(len(cases))}
@@ -535,7 +546,8 @@ def run_decode_bound(llm, spec, res):
                 computed[key].append(r.num_computed_tokens)
         used.append([pool.num_gpu_blocks - 1 - pool.free_block_queue.num_free_blocks, held])
 
-    _drain(llm, on_step)
+    finite = {} if lp is not None else None
+    outs = _drain(llm, on_step, finite=finite)
     if conn is not None:
         conn.build_connector_meta = orig_meta
     kv_held = {k.split("-")[0]: v for k, v in conn.totals.kv_held.items()} if conn is not None else {}
@@ -545,7 +557,8 @@ def run_decode_bound(llm, spec, res):
                            "block_size": sched.kv_cache_manager.coordinator.single_type_managers[0].block_size,
                            "rounds": d["rounds"], "failures": d["failures"],
                            "request_rounds": {k: ROUNDS.get(k, 0) for k in traces}, "free_end": _free(llm),
-                           "num_blocks": pool.num_gpu_blocks}
+                           "num_blocks": pool.num_gpu_blocks, "generated": {k: len(v) for k, v in outs.items()},
+                           "finite": finite}
 
 
 def run_budget_formula(llm, spec, res):

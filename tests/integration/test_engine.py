@@ -7,17 +7,19 @@ import pytest
 from .conftest import run_engine
 
 
-def _bound(budget: int, interval: int, moments: bool = False) -> int:
+def _bound(budget: int, interval: int, moments: bool = False, elem: int = 4, query_elem: int = 4) -> int:
     """budget.py's bound on the blocks a SmolLM2 request (3 KV heads of 64 dims, 9 query heads, fp32, block 32)
     holds after every engine step once prefilled, for the snapkv engines' defaults and these overrides: with
-    its window queries' blocks (SnapKV scores with a 32-query window)."""
+    its window queries' blocks (SnapKV scores with a 32-query window). ``elem`` / ``query_elem``: bytes of a
+    cache element and of a query element (fp8 pages under a bf16 model: 1 and 2)."""
     from vllm_contour.budget import CacheShape, query_blocks_for, request_budget
     from vllm_contour.config import EvictionConfig, resolve_request
 
     params = resolve_request(EvictionConfig(policy="snapkv", budget=128),
                              {"kv_budget": budget, "kv_decode_interval": interval, "kv_moment_correction": moments})
-    pb = request_budget(params, CacheShape(block_size=32, num_kv_heads=3, head_dim=64, elem_size=4), per_request=True)
-    return pb.held_blocks_bound(interval, query_blocks_for(params.window, 3, 32, 4, 4))
+    pb = request_budget(params, CacheShape(block_size=32, num_kv_heads=3, head_dim=64, elem_size=elem),
+                        per_request=True)
+    return pb.held_blocks_bound(interval, query_blocks_for(params.window, 3, 32, query_elem, elem))
 
 
 def _expected_rounds(prompt: int, generated: int, budget: int, interval: int, bs: int = 32) -> int:
@@ -591,6 +593,48 @@ def test_bf16_budget_above_prompt_gives_the_tokens_without_eviction(evicting_bf1
 def test_bf16_frees_blocks_and_survives_preemption_and_aborts(evicting_bf16):
     _check_free_blocks(evicting_bf16["free_blocks"], evicting_bf16["free_blocks"][0]["block_size"])
     _check_preempt_abort(evicting_bf16["preempt_abort"])
+
+
+def test_fp8_pages_budget_above_prompt_gives_stock_fp8_tokens(stock_fp8, evicting_fp8):
+    """bf16 model, fp8 pages (``--kv-cache-dtype fp8``): the plugin's engine reads vLLM's fp8 page layout (AMX
+    or vec packing, one byte per element) and, with a budget above every prompt, gives stock fp8's greedy tokens
+    token for token, every logprob finite."""
+    e, s = evicting_fp8, stock_fp8
+    assert e["connector"] == "ContourKVConnector"
+    assert "torch.uint8 on cpu" in e["log"]  # the worker's caches are vLLM's fp8 pages
+    assert all(len(t) == 16 for t in s["greedy"])
+    assert e["greedy"] == s["greedy"]
+    assert all(e["greedy_finite"]) and all(s["greedy_finite"])
+
+
+def test_fp8_pages_evict_within_the_bound_at_every_step(evicting_fp8):
+    """fp8 pages with eviction: a 700-token prompt generating 160 tokens and an 80-token one generating 200
+    (budgets 128 and 200 per head) and a 300-token one at 256 with moment correction (fp32 moments kept in
+    the fp8 pool's blocks), decoding together with a round every 64 tokens. After every engine step vLLM's
+    used-block count is exactly what the three hold, each holds at most budget.py's bound for one-byte
+    elements (window queries in bf16: 2 bytes each), which the first two reach; every round succeeded, every
+    request finished with all its tokens, every sampled logprob is finite."""
+    ev = evicting_fp8["decode_bound"]
+    bs = ev["block_size"]
+    assert ev["failures"] == {}
+    bounds = {}
+    for i, case in enumerate(ev["cases"]):
+        extra = case[2] if len(case) > 2 else {}
+        rid = f"B{i}"
+        bounds[rid] = _bound(extra.get("kv_budget", 128), 64, extra.get("kv_moment_correction", False), 1, 2)
+        assert max(ev["held"][rid]) <= bounds[rid], (rid, bounds[rid], ev["held"][rid])
+        assert ev["request_rounds"][rid] == _expected_rounds(case[0], case[1], extra.get("kv_budget", 128), 64, bs), \
+            (rid, ev["request_rounds"])
+        assert ev["generated"][rid] == case[1]
+    assert max(ev["held"]["B0"]) == bounds["B0"] and max(ev["held"]["B1"]) == bounds["B1"]
+    assert ev["rounds"] == sum(ev["request_rounds"].values()) > 0
+    for used, held in ev["used"]:
+        assert used == sum(held.values()), (used, held)
+        assert all(n <= bounds[rid] for rid, n in held.items()), (held, bounds)
+    # the long one ends far below what stock holds (every token: ceil((P + G - 1) / bs) blocks)
+    assert ev["held"]["B0"][-1] <= 0.4 * math.ceil((700 + 160 - 1) / bs)
+    assert all(ev["finite"].values()) and len(ev["finite"]) == 3
+    assert ev["free_end"] == ev["num_blocks"] - 1
 
 
 def test_unknown_cache_layout_stops_engine_start_up(tiny_model_dir):

@@ -330,14 +330,27 @@ def check_perplexity_long(c: Check) -> None:
     _dtype_word(c, {lg["dtype"] for lg in longs})
 
 
+def _pages_of(res: dict) -> str:
+    """The KV pages a passkey JSON ran on: ``fp8`` (``--kv-cache-dtype fp8*``) or the engine's dtype word."""
+    kv = str(res.get("kv_cache_dtype", "auto"))
+    return "fp8" if kv.startswith("fp8") else DTYPES.get(res.get("dtype", "float32"), kv)
+
+
 def check_passkey(c: Check) -> None:
-    results = [(r, res) for res in c.jsons for r in res["results"].values()]
     bm = c.find("what", rf"(?:at )?((?:{N}, )*{N}(?: and {N})?) tokens per head")
     budgets = [int(_num(b)) for b in re.findall(N, bm[0].group(1))] if bm else []
     default = "agnostic" if "question hidden" in c.row.what else "aware"
     pos = 0
     for seg in c.row.figure.split(";"):
-        mode = {"visible:": "aware", "hidden:": "agnostic"}.get(seg.strip().split(" ")[0], default)
+        # a segment may name the pages its figures ran on ("fp8 pages, visible: ..."): only those JSONs count
+        pm = re.match(r"\s*(\w+) pages, ", seg)
+        pages = pm.group(1) if pm else None
+        head = seg[pm.end():] if pm else seg
+        mode = {"visible:": "aware", "hidden:": "agnostic"}.get(head.strip().split(" ")[0], default)
+        results = [(r, res) for res in c.jsons if pages is None or _pages_of(res) == pages
+                   for r in res["results"].values()]
+        if pages is not None and not results:
+            c.errors.append(f"no JSON of the row ran on {pages} pages")
         for m in re.finditer(rf"`([\w:@]+)`\)? ((?:{N}, )*{N})(?!\d|, \d)", seg):
             c.read["figure"].append((pos + m.start(2), pos + m.end(2)))
             got = [x.strip() for x in m.group(2).split(",")]
@@ -352,7 +365,7 @@ def check_passkey(c: Check) -> None:
                     c.same(f"{m.group(1)} at {b} ({mode}), correct", g, hit[0]["correct"])
         pos += len(seg) + 1
     for m in c.find("figure", rf"\(of ({N})\)"):
-        c.same("trials", m.group(1), [r["trials"] for r, _ in results])
+        c.same("trials", m.group(1), [r["trials"] for res in c.jsons for r in res["results"].values()])
     _dtype_word(c, {res.get("dtype", "float32") for res in c.jsons})
 
 
