@@ -37,6 +37,12 @@ tables), ``serving.png`` (``plot_record``), ``raw/`` (vLLM's result files) and `
 
     python -m benchmarks.serving [--quick] [--out DIR] [--output-lens 64 256 512] [--request-rate inf 0.05 0.1]
 
+``--kv-cache-dtypes auto fp8`` (``--no-offline``) runs stock and every policy once per cache dtype at equal KV
+bytes: ``--pools`` counts blocks of the model dtype's cache and an fp8 server (``--kv-cache-dtype fp8``, one
+byte per element) gets as many bytes, so twice the blocks under bf16; its configurations are named
+``<config>_fp8``. ``ratios`` are against stock on the model dtype's pages; ``fp8_ratios`` pair each fp8
+eviction configuration with the same policy on the model dtype's pages and with ``stock_fp8``.
+
 ``--client cli`` runs ``vllm-contour bench serve ...`` as a subprocess for every run (what the JSON's
 ``commands`` list shows); the default ``inprocess`` parses exactly that argument list with vLLM's own
 ``bench serve`` parser and calls its ``main`` in this process, which saves the ~20-30 s ``import vllm``
@@ -265,6 +271,18 @@ def ratio_table(rows: list[dict], baseline: str = "stock", metrics: Iterable[str
         for m in metrics:
             entry[m] = _ratio(r.get(m), b.get(m))
         out.append(entry)
+    return out
+
+
+def fp8_ratios(rows: list[dict], metrics: Iterable[str] = RUN_METRICS) -> list[dict]:
+    """Each eviction configuration on fp8 pages against the same policy on the model dtype's pages and against
+    stock on fp8 pages (same pool in bytes, output length and arrival rate): ``ratio_table`` rows with their
+    ``baseline``."""
+    out = []
+    for name in dict.fromkeys(r["config"] for r in rows if r["config"].endswith("_fp8") and r.get("policy")):
+        for base in (name.removesuffix("_fp8"), "stock_fp8"):
+            pair = [r for r in rows if r["config"] in (name, base)]
+            out += [{**e, "baseline": base} for e in ratio_table(pair, baseline=base, metrics=metrics)]
     return out
 
 
@@ -632,10 +650,12 @@ def probe_prefill(server: Server, input_len: int, seed: int) -> dict:
 
 
 def serve_flags(*, pool: int, block_size: int, max_model_len: int, policy: str | None, budget: int,
-                decode_interval: int | None = None, dtype: str = "float32") -> list[str]:
+                decode_interval: int | None = None, dtype: str = "float32", kv_cache_dtype: str = "auto") -> list[str]:
     flags = ["--dtype", dtype, "--enforce-eager", "--block-size", str(block_size),
              "--num-gpu-blocks-override", str(pool), "--max-model-len", str(max_model_len),
              "--no-enable-prefix-caching", "--seed", "0"]
+    if kv_cache_dtype != "auto":
+        flags += ["--kv-cache-dtype", kv_cache_dtype]
     if policy:
         flags += ["--kv-eviction-policy", policy, "--kv-budget", str(budget)]
         if decode_interval is not None:
@@ -643,13 +663,30 @@ def serve_flags(*, pool: int, block_size: int, max_model_len: int, policy: str |
     return flags
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def kv_configs(policies: list[str], kv_cache_dtypes: list[str], dtype: str) -> list[dict]:
+    """Every server configuration: stock and each policy, per ``--kv-cache-dtype``. ``pool`` is given in blocks
+    of the model dtype's cache; an fp8 cache (one byte per element) gets the same bytes, ``blocks_factor`` times
+    the blocks (2 under bf16). Names of fp8 configurations end in ``_fp8``."""
+    out = []
+    for kvd in kv_cache_dtypes:
+        fp8 = kvd.startswith("fp8")
+        sfx, factor = ("_fp8", DTYPE_BYTES[dtype]) if fp8 else ("", 1)
+        out += [{"name": "stock" + sfx, "policy": None, "kv_cache_dtype": kvd, "blocks_factor": factor}]
+        out += [{"name": p + sfx, "policy": p, "kv_cache_dtype": kvd, "blocks_factor": factor} for p in policies]
+    return out
+
+
 def run_server_config(cfg: dict, opts, out: Path, pbar, model_dir: str, env: dict, record: dict) -> list[dict]:
     name, policy, pool = cfg["name"], cfg["policy"], cfg["pool"]
+    kvd, blocks = cfg.get("kv_cache_dtype", "auto"), pool * cfg.get("blocks_factor", 1)
     tag = f"{name}_pool{pool}"
-    server = Server(tag, model_dir, serve_flags(pool=pool, block_size=opts.block_size,
+    server = Server(tag, model_dir, serve_flags(pool=blocks, block_size=opts.block_size,
                                                 max_model_len=opts.max_model_len, policy=policy,
                                                 budget=opts.budget, decode_interval=opts.kv_decode_interval,
-                                                dtype=opts.dtype),
+                                                dtype=opts.dtype, kv_cache_dtype=kvd),
                     env, out / "logs" / f"server_{tag}.log")
     record["commands"].append({"what": f"server {tag}", "env": {k: env[k] for k in (
         "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_TARGET_DEVICE")},
@@ -660,8 +697,8 @@ def run_server_config(cfg: dict, opts, out: Path, pbar, model_dir: str, env: dic
     try:
         ready = server.wait_ready()
         probe = probe_prefill(server, opts.input_len, opts.seed)
-        meta = {"config": name, "pool": pool, "policy": policy, "ready_s": ready, "probe": probe,
-                "loadavg_at_start": os.getloadavg()}
+        meta = {"config": name, "pool": pool, "blocks": blocks, "kv_cache_dtype": kvd, "policy": policy,
+                "ready_s": ready, "probe": probe, "loadavg_at_start": os.getloadavg()}
         record["servers"].append(meta)
         pbar.update(1)
         for rate, L in [(r, L) for r in opts.request_rate for L in opts.output_lens]:
@@ -692,7 +729,8 @@ def run_server_config(cfg: dict, opts, out: Path, pbar, model_dir: str, env: dic
             contour = {k.removeprefix("vllm:contour_"): v for k, v in contour.items()}
             vllm_c = counter_deltas(before, after, VLLM_COUNTERS)
             lat = latency_summary(res)
-            row = {"config": name, "policy": policy, "pool": pool, "output_len": L, "request_rate": rate,
+            row = {"config": name, "policy": policy, "pool": pool, "blocks": blocks, "kv_cache_dtype": kvd,
+                   "output_len": L, "request_rate": rate,
                    "input_len": opts.input_len, "num_prompts": opts.num_prompts,
                    "completed": res.get("completed"), "failed": res.get("failed"),
                    "duration_s": res.get("duration"), "wall_s": wall,
@@ -1035,6 +1073,10 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="every server's and engine's --dtype (python -m vllm_contour.cpu_dtype says which "
                         "is faster on this CPU)")
+    p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="one set of servers (stock + --policies) per vLLM --kv-cache-dtype, at equal KV bytes: "
+                        "--pools counts blocks of the model dtype's cache, an fp8 server gets as many bytes (twice "
+                        "the blocks under bf16); their configurations are named <config>_fp8")
     p.add_argument("--kv-space", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB) if unset")
     p.add_argument("--offline-prompts", type=int)
     p.add_argument("--offline-output-len", type=int)
@@ -1078,7 +1120,9 @@ def main(argv=None) -> int:
         if pool * opts.block_size < opts.max_model_len:
             raise SystemExit(f"pool {pool} x {opts.block_size} tokens < max model len {opts.max_model_len}")
     env = child_env(opts.kv_space)
-    configs = [{"name": "stock", "policy": None}] + [{"name": p, "policy": p} for p in opts.policies]
+    configs = kv_configs(opts.policies, opts.kv_cache_dtypes, opts.dtype)
+    if opts.kv_cache_dtypes != ["auto"] and not opts.no_offline:
+        raise SystemExit("--kv-cache-dtypes: the offline variant runs the model dtype's cache only (add --no-offline)")
     record: dict[str, Any] = {
         "args": {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf") for k, v in vars(opts).items()},
         "host": {**machine(), "loadavg_at_start": os.getloadavg()}, "dtype": opts.dtype,
@@ -1097,6 +1141,8 @@ def main(argv=None) -> int:
             "overhead_pct_of_ttft_sum": "(policy_seconds + compact_seconds) / sum of TTFTs (TTFT includes "
                                         "queueing: a lower bound on the overhead)",
             "kv_usage": "vllm:kv_cache_usage_perc (fraction of the pool) polled every poll_interval s",
+            "pool": "KV pool in blocks of the model dtype's cache; blocks: what the server got (an fp8 cache: the "
+                    "same bytes, one byte per element); ratios are against stock on the model dtype's cache",
             "peak_running": "max of vllm:num_requests_running over the polls",
             "host": "the machine: lscpu's model name, the flags that pick vLLM's CPU kernels and the dtype, the "
                     "CPU count and the load average when the run started (loadavg_at_end when it ended)",
@@ -1119,6 +1165,7 @@ def main(argv=None) -> int:
                 for cfg in configs:
                     run_server_config({**cfg, "pool": pool}, opts, out, pbar, opts.model, env, record)
             record["ratios"] = ratio_table(record["runs"])
+            record["fp8_ratios"] = fp8_ratios(record["runs"])
             record["overhead"] = finalize_overhead(record["runs"], record["servers"])
             _save(record, out)
         if not opts.no_offline:

@@ -10,7 +10,8 @@ import pytest
 from benchmarks.serving import (active_window, bench_argv, counter_deltas, eviction_overhead, kv_held_summary,
                                 latency_summary, markdown_table, stock_kv_tokens_est,
                                 max_model_len_for, metric, metric_totals, parse_prometheus, percentile,
-                                ratio_table, request_latencies, serve_flags, timeline_summary)
+                                ratio_table, request_latencies, serve_flags, timeline_summary,
+                                kv_configs, fp8_ratios)
 
 METRICS_TEXT = r'''# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -240,3 +241,25 @@ def test_plot_record_writes_the_panels(tmp_path):
     png = tmp_path / "s.png"
     assert plot_record(rec, png) == plot_panels(rec) and png.stat().st_size > 0
     assert plot_panels(rec)[-1] == ("timeline", "KV blocks held, offline LLM.generate")
+
+
+def test_fp8_configurations_get_the_same_bytes_and_pair_their_ratios():
+    """--kv-cache-dtypes auto fp8 under bf16: four servers, the fp8 ones with twice the blocks (one byte per
+    element) and --kv-cache-dtype fp8; the fp8 eviction run is compared with eviction on bf16 pages and with
+    stock on fp8 pages at the same pool."""
+    cfgs = kv_configs(["snapkv"], ["auto", "fp8"], "bfloat16")
+    assert [(c["name"], c["policy"], c["kv_cache_dtype"], c["blocks_factor"]) for c in cfgs] == [
+        ("stock", None, "auto", 1), ("snapkv", "snapkv", "auto", 1), ("stock_fp8", None, "fp8", 2),
+        ("snapkv_fp8", "snapkv", "fp8", 2)]
+    assert kv_configs(["snapkv"], ["fp8"], "float32")[0]["blocks_factor"] == 4
+    flags = serve_flags(pool=320, block_size=32, max_model_len=2592, policy=None, budget=128, dtype="bfloat16",
+                        kv_cache_dtype="fp8")
+    assert flags[flags.index("--kv-cache-dtype") + 1] == "fp8" and flags[flags.index("--num-gpu-blocks-override") + 1] == "320"
+    assert "--kv-cache-dtype" not in serve_flags(pool=160, block_size=32, max_model_len=2592, policy=None, budget=128)
+    rows = [{"config": c, "policy": p, "pool": 160, "output_len": 512, "request_rate": float("inf"), "x": x}
+            for c, p, x in (("stock", None, 1.0), ("snapkv", "snapkv", 3.0), ("stock_fp8", None, 2.0),
+                            ("snapkv_fp8", "snapkv", 6.0))]
+    got = {(r["config"], r["baseline"]): r["x"] for r in fp8_ratios(rows, metrics=("x",))}
+    assert got == {("snapkv_fp8", "snapkv"): 2.0, ("snapkv_fp8", "stock_fp8"): 3.0}
+    assert {r["config"]: r["x"] for r in ratio_table(rows, metrics=("x",))} == {"snapkv": 3.0, "stock_fp8": 2.0,
+                                                                               "snapkv_fp8": 6.0}
