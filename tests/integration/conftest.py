@@ -148,8 +148,7 @@ def evicting_fp8(model_dir):
     return run_engine("snapkv128_fp8", dict(FP8_LLM, model=model_dir,
                                             additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
                       ["greedy", "decode_bound"], greedy_extra_args={"kv_budget": 100000}, **FP8_GREEDY,
-                      bound_cases=[[700, 160], [80, 200, {"kv_budget": 200}],
-                                   [300, 120, {"kv_budget": 256, "kv_moment_correction": True}]],
+                      bound_cases=[[700, 130], [80, 130], [300, 100, {"kv_budget": 256, "kv_moment_correction": True}]],
                       bound_extra_args={"kv_decode_interval": 64}, bound_logprobs=True)
 
 

@@ -38,10 +38,12 @@ def test_raw_page_elements_round_trip_and_touch_nothing_else(layout, dtype):
     assert torch.equal(storage.view(it), before.view(it))
 
 
-def test_a_window_written_over_several_steps_is_what_its_round_reads():
+@pytest.mark.parametrize("cache_dtype, q_dtype", [(torch.float32, torch.float32), (torch.uint8, torch.bfloat16)])
+def test_a_window_written_over_several_steps_is_what_its_round_reads(cache_dtype, q_dtype):
     """SnapKV's window [R - W, R) computed over three steps (a prefill chunk's tail, then two more):
     each layer's queries land in the request's window pages, and the round reads every captured position's
-    queries in position order, bit for bit; positions not computed are left out."""
+    queries in position order, bit for bit; positions not computed are left out. Also bf16 queries in an fp8
+    cache's one-byte pages (two page elements a query element)."""
     from vllm.config import VllmConfig
 
     from vllm_contour.config import EvictionConfig
@@ -52,14 +54,14 @@ def test_a_window_written_over_several_steps_is_what_its_round_reads():
 
     layers, hq, w, r = 3, 4, 10, 100
     ws = WorkerSide(VllmConfig(), EvictionConfig(policy="snapkv"))
-    ws.caches.views = [make_cache("cpu_keyT", 8, H, BS, D, torch.float32, seed=s)[1:] for s in range(layers)]
+    ws.caches.views = [make_cache("cpu_keyT", 8, H, BS, D, cache_dtype, seed=s)[1:] for s in range(layers)]
     ws.caches.dims = (8, H, BS, D)
-    ws.caches.shape = SimpleNamespace(elem_size=4)
-    ws.rounds.query_shape = ws.caches.query_shape = (hq, D, torch.float32)
+    ws.caches.shape = SimpleNamespace(elem_size=cache_dtype.itemsize)
+    ws.rounds.query_shape = ws.caches.query_shape = (hq, D, q_dtype)
     blocks = [3, 6]  # 10 x 4 x 32 fp32 = 1,280 elements a layer; a block holds 2 x 2 x 16 x 32 = 2,048
     ws.requests.state_for("a").window = QueryWindow(r - w, r, blocks)
     ws.message = SimpleNamespace(recon=[])
-    want = torch.randn(layers, w, hq, D)
+    want = torch.randn(layers, w, hq, D).to(q_dtype)
     for pos0, n in ((r - w, 6), (r - 3, 1), (r - 2, 2)):  # r - 4 is never computed
         cap = CaptureWindows([("a", pos0, n)], n, torch.arange(n))
         step = ContourStep.__new__(ContourStep)
@@ -82,7 +84,7 @@ def test_a_window_written_over_several_steps_is_what_its_round_reads():
     step.windows = window_plan(cap, ws.requests.requests, set(), ws.caches, torch.device("cpu"))
     assert step.windows.paged is None and len(step.windows.held) == 1
     for layer, (k, v) in enumerate(ws.caches.views):
-        step.stage(layer, torch.cat([torch.zeros(3, hq, D), want[layer]]), k, v)
+        step.stage(layer, torch.cat([torch.zeros(3, hq, D, dtype=q_dtype), want[layer]]), k, v)
     queries, positions = ws.rounds._window_queries(win, ws.caches.views)
     assert positions.tolist() == list(range(r - w, r))
     for layer in range(layers):
