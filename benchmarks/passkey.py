@@ -278,7 +278,10 @@ def plot(res: dict, path: Path) -> None:
     ax.set_yticks(range(len(pols)), pols)
     fig.colorbar(im, ax=ax, label=f"correct / {res['trials']}")
     ax.set_xlabel("budget (tokens per head); /agn = query-agnostic")
-    ax.set_title(f"passkey, {res['prompt_tokens']}-token prompt ({res['model']})")
+    pages = res.get("kv_cache_dtype", "auto")
+    pages = "" if pages == "auto" else f", {pages} pages"
+    ax.set_title(f"passkey, {res['prompt_tokens']}-token prompt ({res['model']}, {res.get('dtype', 'float32')}{pages})",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

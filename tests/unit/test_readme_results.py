@@ -501,3 +501,18 @@ def test_passkey_and_protocol_rows_read_each_cell_from_the_json():
     row = _row("under the evaluation protocol")
     won = Row(row.what, row.figure.replace("tie at 384", "win at 384"), row.where, row.line)
     assert any("verdict against kvzip at 384: README win, JSON tie" in e for e in check_row(won))
+
+
+def test_the_fp8_passkey_row_reads_each_figure_from_its_pages_json():
+    """The fp8 row cites two runs with the same configurations; each segment's figures are read from the JSON of
+    the pages it names (fp8: ``kv_cache_dtype`` fp8; bf16: the bf16 engine's own pages)."""
+    row = _row("on fp8 KV pages")
+    assert check_row(row) == []
+    bf16 = re.search(r"bf16 pages, visible: `snapkv` (\d+)", row.figure).group(1)
+    fp8 = re.search(r"fp8 pages, visible: `snapkv` (\d+)", row.figure).group(1)
+    swapped = Row(row.what, row.figure.replace(f"bf16 pages, visible: `snapkv` {bf16}",
+                                               f"bf16 pages, visible: `snapkv` {fp8}"), row.where, row.line)
+    if bf16 != fp8:
+        assert any(f"snapkv at 512 (aware), correct: README {fp8}, JSON {bf16}" in e for e in check_row(swapped))
+    alone = Row(row.what, row.figure, row.where.split(" · [passkey_fp8_bf16pages")[0], row.line)
+    assert any("no JSON of the row ran on bf16 pages" in e for e in check_row(alone))
