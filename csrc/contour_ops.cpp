@@ -271,6 +271,13 @@ void compact(Tensor kc, Tensor vc, Tensor src_page, Tensor src_off, Tensor dst_p
                                 so.data_ptr<int64_t>(), dp.data_ptr<int64_t>(), dof.data_ptr<int64_t>(), M);
 }
 
+// every page id of one layer's list inside that layer's cache (of ``pages`` head-pages)
+static void check_page_ids(const char* op, const int64_t* ids, int64_t M, int64_t pages, int64_t layer) {
+  for (int64_t m = 0; m < M; ++m)
+    TORCH_CHECK(ids[m] >= 0 && ids[m] < pages, op, ": page id ", ids[m], " (layer ", layer, ", index ", m,
+                ") is outside the cache (", pages, " head-pages)");
+}
+
 // caches: one per layer (one layout, the same shape); ids [M] (every layer) or [L, M]; out [L, M, bs, D]
 void gather_pages(at::TensorList caches, Tensor ids, Tensor out) {
   const int64_t L = static_cast<int64_t>(caches.size());
@@ -295,9 +302,7 @@ void gather_pages(at::TensorList caches, Tensor ids, Tensor out) {
                 "'s cache differs from layer 0's");
     const int64_t pages = c.size(0) * c.size(1);
     const int64_t* li = ip + (idx.dim() == 2 ? l * M : 0);
-    for (int64_t m = 0; m < M; ++m)
-      TORCH_CHECK(li[m] >= 0 && li[m] < pages, "gather_pages: page id ", li[m], " (layer ", l, ", index ", m,
-                  ") is outside the cache (", pages, " head-pages)");
+    check_page_ids("gather_pages", li, M, pages, l);
     k.gather(cache_view(c), es, li, M, static_cast<char*>(out.data_ptr()) + l * M * bs * D * es);
   }
 }
@@ -325,9 +330,7 @@ void gather_pages_lut(at::TensorList caches, Tensor ids, Tensor luts, Tensor out
                 "'s cache is not an fp8 (uint8) cache like layer 0's");
     const int64_t pages = c.size(0) * c.size(1);
     const int64_t* li = ip + (idx.dim() == 2 ? l * M : 0);
-    for (int64_t m = 0; m < M; ++m)
-      TORCH_CHECK(li[m] >= 0 && li[m] < pages, "gather_pages_lut: page id ", li[m], " (layer ", l, ", index ", m,
-                  ") is outside the cache (", pages, " head-pages)");
+    check_page_ids("gather_pages_lut", li, M, pages, l);
     RawCache x = cache_view(c);
     x.lut = luts.data_ptr<float>() + l * 256;
     k.gather_lut(x, li, M, out.data_ptr<float>() + l * M * bs * D);
