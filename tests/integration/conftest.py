@@ -201,6 +201,20 @@ def evicting(model_dir):
 
 
 @pytest.fixture(scope="session")
+def gemma_prefix(model_dir):
+    """``gemma``'s hybrid scenario with vLLM's prefix caching on (its default): the sliding-window groups'
+    blocks are hashed and cached, the evicting group's compacted blocks are not."""
+    from vllm_contour.models import fetch_model
+
+    gdir = str(fetch_model("gemma3-270m", quiet=True))
+    return run_engine("gemma_snapkv128_prefix", dict(BASE_LLM, model=gdir, num_gpu_blocks_override=None,
+                                                     enable_prefix_caching=True,
+                                                     additional_config={"kv_eviction": {"policy": "snapkv",
+                                                                                        "budget": 128}}),
+                      ["hybrid"])
+
+
+@pytest.fixture(scope="session")
 def prefix_cached(model_dir):
     """The evicting engine with vLLM's prefix caching on (its default). The test-only fault switch names two
     requests of the last scenario (PA0's second round and PB0's first fail after bytes moved); no other

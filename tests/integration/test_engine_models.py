@@ -51,6 +51,21 @@ def test_hybrid_model_evicts_in_its_full_attention_layers(gemma):
     assert gemma["presets_deltas"]["failures"] == {}
 
 
+def test_hybrid_model_with_prefix_caching_evicts_as_without_it(gemma, gemma_prefix):
+    """The hybrid model with vLLM's prefix caching on: the evicting request and the one with eviction off give
+    the tokens they give with prefix caching off, the full-attention group holds the same blocks after every
+    step (the compacted request's blocks are private: nothing of it is hashed), the decode-time rounds reach the
+    same bound, nothing fails, and every block goes back to vLLM's pool."""
+    on, off = gemma_prefix["hybrid"], gemma["hybrid"]
+    assert on["kinds"] == off["kinds"] and on["failures"] == {}
+    full = on["kinds"].index("EvictingAttentionSpec")
+    for rid in ("H", "Hnone", "Hdecode"):
+        assert on["runs"][rid]["tokens"] == off["runs"][rid]["tokens"], rid
+        assert [t[full] for t in on["runs"][rid]["trace"]] == [t[full] for t in off["runs"][rid]["trace"]], rid
+        assert on["runs"][rid]["free_end"] == on["runs"][rid]["free_before"], rid  # cached blocks count as free
+    assert on["runs"]["H"]["trace"][-1][full] == 128 // on["block_size"] + 1
+
+
 def test_bf16_budget_above_prompt_gives_the_tokens_without_eviction(evicting_bf16):
     """bf16 (the set-up's dtype on CPUs with bf16 instructions): budget >= prompt gives, token for token, the
     greedy tokens of the same prompts with eviction off in the same engine."""
