@@ -152,17 +152,20 @@ def evicting_fp8(model_dir):
                       bound_extra_args={"kv_decode_interval": 64}, bound_logprobs=True)
 
 
+def _gemma_llm(**extra) -> dict:
+    """Gemma 3 270M's engine settings: BASE_LLM with vLLM's own pool size, snapkv at 128 tokens per head."""
+    from vllm_contour.models import fetch_model
+
+    return dict(BASE_LLM, model=str(fetch_model("gemma3-270m", quiet=True)), num_gpu_blocks_override=None,
+                **extra, additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}})
+
+
 @pytest.fixture(scope="session")
 def gemma(model_dir):
     """The second bundled model, Gemma 3 270M (5 sliding-window layers per full-attention layer, one KV head of
     256 dims): vLLM's hybrid KV cache manager keeps a group per kind; eviction runs in the full-attention
     group. Greedy prompts with the budget above them and with eviction off, every preset, the hybrid scenario."""
-    from vllm_contour.models import fetch_model
-
-    gdir = str(fetch_model("gemma3-270m", quiet=True))
-    return run_engine("gemma_snapkv128", dict(BASE_LLM, model=gdir, num_gpu_blocks_override=None,
-                                              additional_config={"kv_eviction": {"policy": "snapkv",
-                                                                                 "budget": 128}}),
+    return run_engine("gemma_snapkv128", _gemma_llm(),
                       ["greedy", "greedy_none", "presets", "hybrid"], greedy_extra_args={"kv_budget": 100000},
                       greedy_lengths=[37, 150, 480, 700], moment_presets=["snapkv"], moment_budget=256)
 
@@ -204,14 +207,7 @@ def evicting(model_dir):
 def gemma_prefix(model_dir):
     """``gemma``'s hybrid scenario with vLLM's prefix caching on (its default): the sliding-window groups'
     blocks are hashed and cached, the evicting group's compacted blocks are not."""
-    from vllm_contour.models import fetch_model
-
-    gdir = str(fetch_model("gemma3-270m", quiet=True))
-    return run_engine("gemma_snapkv128_prefix", dict(BASE_LLM, model=gdir, num_gpu_blocks_override=None,
-                                                     enable_prefix_caching=True,
-                                                     additional_config={"kv_eviction": {"policy": "snapkv",
-                                                                                        "budget": 128}}),
-                      ["hybrid"])
+    return run_engine("gemma_snapkv128_prefix", _gemma_llm(enable_prefix_caching=True), ["hybrid"])
 
 
 @pytest.fixture(scope="session")
