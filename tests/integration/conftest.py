@@ -210,16 +210,21 @@ def gemma_prefix(model_dir):
     return run_engine("gemma_snapkv128_prefix", _gemma_llm(enable_prefix_caching=True), ["hybrid"])
 
 
+# The prefix-cached engines' fault switch: PA0's second round and PB0's first fail after bytes moved
+# (``fault_prefix``); RB0's metadata builder, RI0's compacted attention and RK0's best implementation of it
+# raise in their 3rd compacted step (``fault_raise``). No other request can fail by it.
+PREFIX_FAULTS = "at=apply:PA0:2,at=apply:PB0:1,at=builder:RB0:3,at=impl:RI0:3,at=kernel:RK0:3"
+
+
 @pytest.fixture(scope="session")
 def prefix_cached(model_dir):
-    """The evicting engine with vLLM's prefix caching on (its default). The test-only fault switch names two
-    requests of the last scenario (PA0's second round and PB0's first fail after bytes moved); no other
-    request can fail by it."""
+    """The evicting engine with vLLM's prefix caching on (its default), with the test-only fault switch
+    (``PREFIX_FAULTS``)."""
     return run_engine("snapkv128_prefix", dict(BASE_LLM, model=model_dir, enable_prefix_caching=True,
                                                additional_config={"kv_eviction": {"policy": "snapkv",
                                                                                   "budget": 128}}),
-                      ["prefix_stream", "shared_context", "fault_prefix", "kvzip", "kvzip_stream"],
-                      env={"VLLM_CONTOUR_FAULTS": "at=apply:PA0:2,at=apply:PB0:1"})
+                      ["prefix_stream", "shared_context", "fault_prefix", "fault_raise", "kvzip", "kvzip_stream"],
+                      env={"VLLM_CONTOUR_FAULTS": PREFIX_FAULTS})
 
 
 @pytest.fixture(scope="session")
@@ -342,9 +347,9 @@ def evicting_mrv2(model_dir):
 @pytest.fixture(scope="session")
 def prefix_cached_mrv2(model_dir):
     """``prefix_cached`` on Model Runner V2: shared compressed contexts, KVzip's reconstruction, apply failures
-    with prefix caching (the same fault switch)."""
+    with prefix caching, faults raised inside the backend (the same fault switch)."""
     return run_engine("snapkv128_prefix_mrv2", dict(BASE_LLM, model=model_dir, enable_prefix_caching=True,
                                                     additional_config={"kv_eviction": {"policy": "snapkv",
                                                                                        "budget": 128}}),
-                      ["shared_context", "fault_prefix", "kvzip"], mrv2=True,
-                      env=dict(MRV2, VLLM_CONTOUR_FAULTS="at=apply:PA0:2,at=apply:PB0:1"))
+                      ["shared_context", "fault_prefix", "fault_raise", "kvzip"], mrv2=True,
+                      env=dict(MRV2, VLLM_CONTOUR_FAULTS=PREFIX_FAULTS))

@@ -733,6 +733,35 @@ def run_fault_paths(llm, spec, res):
         **_leftovers(llm)}
 
 
+def run_fault_raise(llm, spec, res):
+    """Faults raised inside the attention backend (the engine's fault switch names RB0, RI0, RK0: each in its
+    3rd step as a compacted request, 200-token prompts at budget 64, one round at the prompt end), each in a
+    batch with another compacted request (RB1, RI1, RK1) and a dense one (NB0, NI0, NK0), then the nine
+    prompts again, together, under ids the switch does not name (G + the id):
+    - RB0: the metadata builder raises, so vLLM's kernel runs every row as stock;
+    - RI0: the compacted attention op raises (its best implementation and the torch reference);
+    - RK0: only its best implementation raises; the torch reference serves the step."""
+    prompts = iter(_text_prompts(llm.get_tokenizer(), [200] * 9, 97))
+    extra, dense = {"kv_budget": 64, "kv_decode_interval": 0}, {"kv_policy": "none"}
+    toks, reasons, failures, named = {}, {}, {}, []
+    for k in "BIK":
+        batch = [(f"R{k}0", next(prompts), 8, extra), (f"R{k}1", next(prompts), 8, extra),
+                 (f"N{k}0", next(prompts), 8, dense)]
+        snap = _snapshot(llm)
+        t, r, _ = _run_batch(llm, batch)
+        failures[k] = _deltas(llm, snap)["failures"]
+        toks.update({rid: t.get(rid) for rid, *_ in batch})
+        reasons.update(r)
+        named += batch
+    snap = _snapshot(llm)
+    t, r, _ = _run_batch(llm, [("G" + rid, p, n, x) for rid, p, n, x in named])
+    toks.update({"G" + rid: t.get("G" + rid) for rid, *_ in named})
+    reasons.update(r)
+    res["fault_raise"] = {"tokens": toks, "reasons": reasons, "failures": failures,
+                          "twins_failures": _deltas(llm, snap)["failures"],
+                          "request_rounds": {k: ROUNDS.get(k, 0) for k in toks}, **_leftovers(llm)}
+
+
 def run_fault_prefix(llm, spec, res):
     """Apply failures with prefix caching on (the engine's fault switch names PA0 round 2 and PB0 round 1),
     all on one 500-token prompt at budget 128, T = 64, 100 generated tokens, together with QA0 (the same
@@ -1387,7 +1416,7 @@ def run_kvzip_stream(llm, spec, res):
                               "failures": dict(side.totals.failures)}], "free_end": _free(llm)}
 
 
-SCENARIOS = {"compare": run_compare, "fault_paths": run_fault_paths, "fault_prefix": run_fault_prefix, "greedy_exact": run_greedy_exact,
+SCENARIOS = {"compare": run_compare, "fault_paths": run_fault_paths, "fault_prefix": run_fault_prefix, "fault_raise": run_fault_raise, "greedy_exact": run_greedy_exact,
              "hybrid": run_hybrid, "shared_context": run_shared_context, "greedy_none": run_greedy_none, "prefix_stream": run_prefix_stream, "streaming_input": run_streaming_input, "kvzip_stream": run_kvzip_stream, "spec_decode": run_spec_decode, "protocol": run_protocol, "context_boundary": run_context_boundary, "greedy_long": run_greedy_long, "decode_bound": run_decode_bound, "budget_formula": run_budget_formula,
              "short_moments": run_short_moments, "faults": run_faults,
              "parallel": run_parallel, "greedy_evicted": run_greedy_evicted, "presets": run_presets, "greedy": run_greedy, "free_blocks": run_free_blocks, "concurrency": run_concurrency,

@@ -320,6 +320,29 @@ def test_forward_and_metadata_failures_finish_that_request_alone_with_an_error(f
     assert f["requests_left"] == 0 and f["worker_requests_left"] == []
 
 
+def test_faults_raised_inside_the_backend_fail_the_steps_compacted_requests_alone(prefix_cached):
+    """Raised inside the attention backend in RB0's / RI0's 3rd compacted step (fault switch), never into
+    vLLM: the metadata builder (vLLM's kernel then runs every row as stock) or the compacted attention op and
+    the torch reference after it. Every compacted request of that step (RB0 and RB1; RI0 and RI1) finishes with
+    an error after the tokens it had, those of the same request when nothing fails; the dense request in the
+    same step (NB0, NI0) gives its tokens. When only the best implementation raises (RK0), the torch reference
+    serves the step: the three requests give their tokens and nothing fails. Counted as forward failures."""
+    f = prefix_cached["fault_raise"]
+    t, why = f["tokens"], f["reasons"]
+    for k in "BI":
+        assert why[f"R{k}0"] == why[f"R{k}1"] == "error" and why[f"N{k}0"] == "length", (k, why)
+        assert f["failures"][k] == {"forward": 2}, (k, f["failures"])
+        assert len(t[f"R{k}0"]) == 3 and t[f"R{k}0"] == t[f"GR{k}0"][:3], (k, t)
+        assert 0 < len(t[f"R{k}1"]) < 8 and t[f"R{k}1"] == t[f"GR{k}1"][:len(t[f"R{k}1"])], (k, t)
+        assert t[f"N{k}0"] == t[f"GN{k}0"], k
+    assert all(why[r] == "length" for r in ("RK0", "RK1", "NK0")) and f["failures"]["K"] == {}, (why, f["failures"])
+    assert all(t[r] == t["G" + r] for r in ("RK0", "RK1", "NK0")), t
+    assert all(f["request_rounds"][r] == 1 for r in t if r.startswith(("R", "GR"))), f["request_rounds"]
+    assert f["twins_failures"] == {} and set(why[r] for r in t if r.startswith("G")) == {"length"}, why
+    assert f["free_end"] == f["num_blocks"] - 1
+    assert f["requests_left"] == 0 and f["worker_requests_left"] == []
+
+
 def test_apply_failure_with_prefix_caching(prefix_cached):
     """Prefix caching on (named requests on one prompt, 128 tokens per head, T 64): PB0's first round packs
     into private blocks (its own blocks are hashed) and fails there: nothing of the request moved, so it is

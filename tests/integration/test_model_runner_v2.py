@@ -76,6 +76,15 @@ def test_apply_failures_with_prefix_caching_equal_v1s(prefix_cached, prefix_cach
         assert v2[key] == v1[key], key
 
 
+def test_faults_raised_inside_the_backend_equal_v1s(prefix_cached, prefix_cached_mrv2):
+    """The metadata builder raising (before the step's message on Model Runner V2), the compacted attention
+    op raising, only its best implementation raising: the same tokens, reasons and counts as V1."""
+    v1, v2 = prefix_cached["fault_raise"], prefix_cached_mrv2["fault_raise"]
+    for key in ("tokens", "reasons", "failures", "twins_failures", "request_rounds", "free_end",
+                "requests_left", "worker_requests_left"):
+        assert v2[key] == v1[key], key
+
+
 def test_kvzip_reconstruction_equals_v1s(prefix_cached, prefix_cached_mrv2):
     """KVzip's context reconstruction by hidden requests inside the engine: the same scores, kept tokens and
     answers as V1."""

@@ -67,8 +67,9 @@ def test_release_without_moments_or_state_is_a_noop(side):
 
 def test_fault_switch_names_failures_and_limits_the_random_ones():
     """TEST-ONLY switch: ``at`` names one failure of one request (a prefix with ``*``), which then gets no
-    random ones; ``only`` keeps the random ones to ids with a prefix; forward / metadata failures fire in the
-    N-th step a named request runs compacted; unknown keys are refused."""
+    random ones; ``only`` keeps the random ones to ids with a prefix; forward / metadata failures (reported) and
+    builder / impl / kernel ones (raised in the backend) fire in the N-th step a named request runs compacted;
+    unknown keys are refused."""
     from vllm_contour.integration.faults import FaultSwitch
 
     fs = FaultSwitch("plan=1,apply=1,only=X,at=apply:FA*:1,at=plan:P0:2,at=forward:FF0:2,at=metadata:FM0:1")
@@ -88,6 +89,11 @@ def test_fault_switch_names_failures_and_limits_the_random_ones():
                                        "FM0-0a1b2c3d": "metadata: fault switch"}
     assert fs.step_errors(ids, st) == {}  # once each
     assert FaultSwitch("").step_errors(ids, st) == {} and not FaultSwitch(None).on
+    raised = FaultSwitch("at=builder:RB0:2,at=impl:RI*:1,at=kernel:RK0:1")  # counted per step made, compacted
+    assert raised.backend_faults(["RB0-0a1b2c3d", "X1-0a1b2c3d"]) == set()
+    assert raised.backend_faults(["RB0-0a1b2c3d", "RI7-0a1b2c3d", "RK0-0a1b2c3d"]) == {"builder", "impl", "kernel"}
+    assert raised.backend_faults(["RB0-0a1b2c3d", "RI7-0a1b2c3d", "RK0-0a1b2c3d"]) == set()  # once each
+    assert raised.step_errors(["RB0-0a1b2c3d"], st) == {}  # not written into the report
     with pytest.raises(ValueError, match="unknown key 'at'"):
         FaultSwitch("at=explode:X:1")
 

@@ -1,7 +1,7 @@
 """TEST ONLY: the fault switch. ``install(spec)`` (spec from ``VLLM_CONTOUR_FAULTS``, which tests set; the
 plugin's ``register()`` passes it on in every vLLM process) wraps the worker side's methods so that chosen
-eviction rounds, compacted rows or the start-up layout probe fail, and the tests can check that a failure
-stays with its request. Product code has no fault branches: with the variable unset nothing is wrapped.
+eviction rounds, compacted rows, the attention backend's builder or impl, or the start-up layout probe fail,
+and the tests can check that a failure stays with its request. Product code has no fault branches: with the variable unset nothing is wrapped.
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ import torch
 FAULTS_ENV = "VLLM_CONTOUR_FAULTS"
 
 
+KINDS = ("plan", "apply", "forward", "metadata", "builder", "impl", "kernel")
+RAISED = ("builder", "impl", "kernel")  # raised inside the attention backend
+
+
 class FaultInjected(RuntimeError):
     """What an installed fault raises."""
 
@@ -26,7 +30,10 @@ class FaultSwitch:
     starts with PREFIX. ``at=KIND:ID:N`` (repeatable; ID may end with ``*``, a prefix) names one failure of
     one request, which then gets no random ones: KIND ``plan`` or ``apply`` fails its round N; ``forward``
     reports its attention op failed, ``metadata`` its compacted rows' page table unbuildable, in the N-th
-    step it runs compacted. ``layout=scramble`` makes the start-up layout probe see vLLM's cache write
+    step it runs compacted. KIND ``builder`` makes the evicting group's metadata builder raise in the N-th step
+    the request runs compacted, ``impl`` the compacted attention op raise in that step (its best
+    implementation and the torch reference, every layer), ``kernel`` only its best implementation (the
+    reference then serves the step): raised inside the backend, not written into the report. ``layout=scramble`` makes the start-up layout probe see vLLM's cache write
     through a scrambled page (an unknown layout)."""
 
     def __init__(self, spec: str | None):
@@ -36,6 +43,7 @@ class FaultSwitch:
         self.at: list[tuple[str, str, int]] = []
         self._steps: dict[tuple[str, str], int] = {}
         self.scramble_layout = False
+        self.raising: set[str] = set()  # the RAISED kinds that hit the step being built
         self.uninstall = lambda: None
         for part in (spec or "").split(","):
             if not part.strip():
@@ -49,14 +57,14 @@ class FaultSwitch:
             elif key == "only":
                 self.only = value.strip()
             elif key == "at" and value.count(":") == 2 and \
-                    value.split(":")[0].strip() in ("plan", "apply", "forward", "metadata"):
+                    value.split(":")[0].strip() in KINDS:
                 kind, rid, n = (x.strip() for x in value.split(":"))
                 self.at.append((kind, rid, int(n)))
             elif key == "layout" and value.strip() == "scramble":
                 self.scramble_layout = True
             else:
                 raise ValueError(f"{FAULTS_ENV}: unknown key {key!r} (plan, apply, seed, only, "
-                                 "at=plan|apply|forward|metadata:ID:N, layout=scramble)")
+                                 f"at={'|'.join(KINDS)}:ID:N, layout=scramble)")
 
     @property
     def on(self) -> bool:
@@ -92,6 +100,19 @@ class FaultSwitch:
                         out[req_id] = ("ragged decode" if kind == "forward" else "metadata") + ": fault switch"
         return out
 
+    def backend_faults(self, compacted) -> set[str]:
+        """The RAISED kinds that hit this step: counted once per step (when the evicting group's builder
+        makes it) for each named request the worker holds compacted."""
+        out: set[str] = set()
+        for req_id in compacted if self.at else ():
+            stable = re.sub(r"-[0-9a-f]{8}$", "", req_id)
+            for kind, n in self._named(stable):
+                if kind in RAISED:
+                    c = self._steps[(kind, stable)] = self._steps.get((kind, stable), 0) + 1
+                    if c == n:
+                        out.add(kind)
+        return out
+
 
 @contextlib.contextmanager
 def _compaction_fails_after_first_layer():
@@ -115,8 +136,10 @@ _INSTALLED: FaultSwitch | None = None
 
 
 def install(spec: str | None) -> FaultSwitch:
-    """Wrap the worker side's round planning and applying, step resolution and the CPU layout probe with
+    """Wrap the worker side's round planning and applying, step making and resolution, the compacted
+    attention op and the CPU layout probe with
     the faults ``spec`` names (a no-op for an empty spec)."""
+    from vllm_contour import ops
     from vllm_contour.integration.messages import PlanFailed
     from vllm_contour.integration.worker.rounds import WorkerRounds
     from vllm_contour.integration.worker.side import WorkerSide
@@ -128,12 +151,14 @@ def install(spec: str | None) -> FaultSwitch:
         return _INSTALLED or fs
     _INSTALLED = fs
     plan_all, apply_all, resolve = WorkerRounds.plan_all, WorkerRounds.apply_all, WorkerSide.resolve
+    new_step, attention = WorkerSide.new_step, ops.compacted_attention
     offsets = cpu_layout.written_offsets
 
     def uninstall():
         global _INSTALLED
         _INSTALLED = None
         WorkerRounds.plan_all, WorkerRounds.apply_all, WorkerSide.resolve = plan_all, apply_all, resolve
+        WorkerSide.new_step, ops.compacted_attention = new_step, attention
         cpu_layout.written_offsets = offsets
         cpu_layout.probe_layout.cache_clear()
 
@@ -160,7 +185,20 @@ def install(spec: str | None) -> FaultSwitch:
         if self.message is not None:
             step.errors.update(fs.step_errors(self.message.keys, self.requests))
 
+    def faulty_new_step(self, cm):
+        step = new_step(self, cm)
+        fs.raising = fs.backend_faults(self.requests.compacted())
+        if "builder" in fs.raising:
+            raise FaultInjected("fault switch: the metadata builder failed")
+        return step
+
+    def faulty_attention(*a, impl=None, **kw):
+        if "impl" in fs.raising or ("kernel" in fs.raising and impl is None):
+            raise FaultInjected(f"fault switch: compacted attention ({impl or 'best'}) failed")
+        return attention(*a, impl=impl, **kw)
+
     WorkerRounds.plan_all, WorkerRounds.apply_all, WorkerSide.resolve = faulty_plan_all, faulty_apply_all, faulty_resolve
+    WorkerSide.new_step, ops.compacted_attention = faulty_new_step, faulty_attention
     if fs.scramble_layout:
         def scrambled(write, *a, **kw):
             def write_then_scramble(k, v, kc, vc, slots):

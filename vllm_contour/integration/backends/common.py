@@ -85,11 +85,8 @@ class ContourBuilder:
                     cm = cm.replace(seq_lens=lens)
             except Exception as e:  # never into vLLM: the step runs as stock for every row
                 logger.warning("kv_eviction: metadata for compacted rows failed (%s)", e)
-                if step is not None:
-                    step.fail(worker.requests.compacted(), f"metadata: {e}")
-                    step.rows = step.capture = step.predicted = None
-                    step.resolved = True
-                cm = common_attn_metadata
+                worker.metadata_failed(f"metadata: {e}")
+                step, cm = None, common_attn_metadata
         md = super().build(common_prefix_len, cm, fast_build)
         return with_step(self.metadata_cls, md, step)
 

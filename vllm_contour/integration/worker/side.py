@@ -51,6 +51,7 @@ class WorkerSide:
         self.step: ContourStep | None = None
         self._step_reqs: list[str] = []
         self._errors: dict[str, str] = {}
+        self._metadata_failed: str | None = None  # why the builder could not make this step's metadata
 
     @property
     def layer_index(self) -> dict[str, int]:
@@ -133,6 +134,12 @@ class WorkerSide:
                                                           step.num_reqs)
         return step
 
+    def metadata_failed(self, why: str) -> None:
+        """The evicting group's builder could not make the step's metadata: vLLM's kernel runs every row as
+        stock, so each compacted request of the step fails alone (which ones: the step's message, here
+        before the builder on V1, after it on Model Runner V2)."""
+        self._metadata_failed, self.step = why, None
+
     def resolve(self, step: ContourStep) -> None:
         """Match the step's batch rows to its compacted requests and captures (``PageTables.step``); on the
         host the per-token tables are expanded here, so a bad row fails before attention runs."""
@@ -184,10 +191,12 @@ class WorkerSide:
         clear_unread(self.caches.views, self.requests, layout, owner)
 
     def after_forward(self) -> None:
-        md, step = self.message, self.step
-        self.message, self.step, self._step_reqs = None, None, []
+        md, step, failed = self.message, self.step, self._metadata_failed
+        self.message, self.step, self._step_reqs, self._metadata_failed = None, None, [], None
         if md is None:
             return
+        if failed is not None:
+            self._errors.update({r: failed for r in self.requests.compacted() if r in md.keys})
         try:
             try:
                 self._store_captures(md, step)
