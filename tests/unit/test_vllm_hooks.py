@@ -291,6 +291,21 @@ def test_every_where_names_a_module_of_the_package():
             assert (PKG / path).is_file(), f"{h.symbol}: where {path!r} is not a module of vllm_contour"
 
 
+def test_only_the_boundary_package_imports_vllm():
+    """``integration/`` is the one package that imports vLLM; elsewhere (ops/, policies/, ...) vLLM's ops are
+    taken through the hooks table (``vllm_hooks.resolve``: the row for the installed vLLM)."""
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        if rel.startswith("integration/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{rel}:{node.lineno} {n}" for n in names if n == "vllm" or n.startswith("vllm.")]
+    assert found == [], found
+
+
 def test_each_patch_and_wrap_is_installed_by_the_module_its_row_names():
     """A row patched or wrapped names the module whose source installs it (its symbol or first row's)."""
     for h in HOOKS:

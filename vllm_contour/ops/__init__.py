@@ -265,10 +265,9 @@ except ImportError:
 from . import cpu_ext as _cpu_ext  # noqa: E402,F401  (registers "cpp" when vllm_contour._C imports)
 
 
-# Ranking on CPU: "cpp" (registered last) before "vllm_cpu" before "torch". The C++ kernel measured
-# 0.86-1.09x the time of vLLM's own kernel over the same tokens, "vllm_cpu" (vLLM's kernel driven with one
-# pseudo-request per head) 1.32-2.21x (benchmarks.ops, 2026-11-30); and vLLM's per-layer cache views in
-# the engine do not meet "vllm_cpu"'s stride condition. VLLM_CONTOUR_OPS_IMPL forces one implementation.
+# Ranking on CPU: "cpp" (registered last) before "vllm_cpu" before "torch" (their timings against vLLM's own
+# kernel: benchmarks.ops, docs/results.md); vLLM's per-layer cache views in the engine do not meet
+# "vllm_cpu"'s stride condition. VLLM_CONTOUR_OPS_IMPL forces one implementation.
 
 __all__ = ["compact", "accumulate_moments", "ragged_decode_attention", "store_moments", "load_moments",
            "read_page_elems", "write_page_elems",

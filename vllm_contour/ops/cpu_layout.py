@@ -178,14 +178,13 @@ def probe_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int,
                  kv_cache_dtype: str = "auto") -> PageLayout:
     """The layout vLLM's ``cpu_attn_reshape_and_cache`` writes for (isa, dtype, bs, D) into a cache of
     ``kv_cache_dtype`` ("auto": the model dtype; an fp8 name: one byte per element), measured."""
-    from vllm import _custom_ops as vops
-
     from .fp8 import FP8_ENCODINGS
+    from .vllm_cpu import vllm_op
 
     fp8 = FP8_ENCODINGS.get(kv_cache_dtype)
 
     def write(k, v, kc, vc, slots):
-        vops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, kv_cache_dtype=kv_cache_dtype)
+        vllm_op("cpu_attn_reshape_and_cache")(k, v, kc, vc, slots, isa, kv_cache_dtype=kv_cache_dtype)
 
     stored = f" kv_cache_dtype={kv_cache_dtype}" if fp8 is not None else ""
     what = f"isa={isa} dtype={str(dtype).replace('torch.', '')}{stored} block_size={block_size} head_dim={head_dim}"

@@ -59,10 +59,9 @@ def probe_table(isa: str, model_dtype: torch.dtype, kv_cache_dtype: str, block_s
                 head_dim: int) -> torch.Tensor:
     """What vLLM's CPU attention kernel reads each of the 256 bytes as (scale 1), measured: one-token
     pages whose value rows hold every byte, a zero query (so each output row is its token's values)."""
-    from vllm import _custom_ops as vops
-
     from .cpu_layout import cpu_kv_views, probe_layout
     from .paged import set_rows
+    from .vllm_cpu import vllm_op
 
     if isa == "amx":
         torch.cpu._init_amx()  # the tile data must be granted before vLLM's AMX kernel runs (its worker does it)
@@ -79,10 +78,10 @@ def probe_table(isa: str, model_dtype: torch.dtype, kv_cache_dtype: str, block_s
     out = torch.empty_like(q)
     qsl = torch.arange(n + 1, dtype=torch.int32)
     sl = torch.ones(n, dtype=torch.int32)
-    md = vops.cpu_attn_get_scheduler_metadata(
+    md = vllm_op("cpu_attn_get_scheduler_metadata")(
         num_reqs=n, num_heads=1, num_kv_heads=1, head_dim=d, seq_lens=sl, dtype=model_dtype, query_start_loc=qsl,
         causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False, kv_cache_dtype=kv_cache_dtype)
-    vops.cpu_attention_with_kv_cache(
+    vllm_op("cpu_attention_with_kv_cache")(
         query=q, key_cache=view[:, :, :bs], value_cache=view[:, :, bs:], output=out, query_start_loc=qsl,
         seq_lens=sl, scale=d ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
         block_table=torch.arange(n, dtype=torch.int32).view(n, 1), softcap=0.0, scheduler_metadata=md, s_aux=None,

@@ -16,14 +16,31 @@ import torch
 from . import register_impl
 
 
+def vllm_op(name: str):
+    """vLLM's CPU op ``name`` (``cpu_attn_reshape_and_cache``, ``cpu_attn_get_scheduler_metadata``,
+    ``cpu_attention_with_kv_cache``), taken through the hooks table: the row for the installed vLLM
+    (``vllm._custom_ops`` before 0.34, ``vllm._cpu_ops`` from it). ops/ never imports vLLM itself."""
+    from vllm_contour.integration.vllm_hooks import resolve
+
+    return resolve(f"vllm._custom_ops:{name}")
+
+
+def attn_isa(dtype: torch.dtype, block_size: int, head_dim: int, kv_cache_dtype: str = "auto") -> str:
+    """The ISA vLLM's CPU attention picks for a cache (its private ``_get_attn_isa``, a hooks-table row)."""
+    from vllm_contour.integration.vllm_hooks import resolve
+
+    return resolve("vllm.v1.attention.backends.cpu_attn:_get_attn_isa")(dtype, block_size, head_dim, kv_cache_dtype)
+
+
 def _have_kernel() -> bool:
     if importlib.util.find_spec("vllm") is None:
         return False
     try:
-        import vllm._custom_ops  # noqa: F401
+        vllm_op("cpu_attention_with_kv_cache")
+        vllm_op("cpu_attn_get_scheduler_metadata")
     except Exception:
         return False
-    return hasattr(torch.ops._C, "cpu_attention_with_kv_cache")
+    return True
 
 
 _HAVE = None
@@ -55,9 +72,6 @@ def ragged_decode_attention_vllm(query, key_cache, value_cache, page_table, seq_
                                  moments=None, **_):
     from .cpu_layout import native_page_views
 
-    from vllm import _custom_ops as vops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
     if moments is not None:
         raise ValueError("the vllm_cpu implementation has no moment correction")
     from .paged import dims
@@ -71,12 +85,12 @@ def ragged_decode_attention_vllm(query, key_cache, value_cache, page_table, seq_
     qsl = torch.arange(n + 1, dtype=torch.int32)
     sl = seq_lens.reshape(n).to(torch.int32).contiguous()
     bt = page_table.reshape(n, -1).to(torch.int32).contiguous()
-    isa = _get_attn_isa(query.dtype, bs, d)
+    isa = attn_isa(query.dtype, bs, d)
     kpages, vpages = native_page_views(key_cache, value_cache)
-    md = vops.cpu_attn_get_scheduler_metadata(
+    md = vllm_op("cpu_attn_get_scheduler_metadata")(
         num_reqs=n, num_heads=g, num_kv_heads=1, head_dim=d, seq_lens=sl, dtype=query.dtype,
         query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
-    vops.cpu_attention_with_kv_cache(
+    vllm_op("cpu_attention_with_kv_cache")(
         query=q, key_cache=kpages, value_cache=vpages, output=out,
         query_start_loc=qsl, seq_lens=sl, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
         block_table=bt, softcap=0.0, scheduler_metadata=md, s_aux=None)
