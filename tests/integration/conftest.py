@@ -227,23 +227,32 @@ def prefix_cached(model_dir):
                       env={"VLLM_CONTOUR_FAULTS": PREFIX_FAULTS})
 
 
+SNAPKV128 = {"kv_eviction": {"policy": "snapkv", "budget": 128}}
+
+
+def _chunked(model_dir, name: str, **kw) -> dict:
+    return run_engine(name, dict(BASE_LLM, model=model_dir, max_num_batched_tokens=128, additional_config=SNAPKV128),
+                      ["context_boundary"], cb_context=600, cb_question=300, cb_max_tokens=8, **kw)
+
+
+def _ngram(model_dir, name: str, **kw) -> dict:
+    return run_engine(name, dict(BASE_LLM, model=model_dir, additional_config=SNAPKV128,
+                                 speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2}),
+                      ["spec_decode"], **kw)
+
+
 @pytest.fixture(scope="session")
 def chunked(model_dir):
     """Small prefill chunks (128 tokens per step, shared by several requests): the context and the question
     each span several chunks."""
-    return run_engine("chunked", dict(BASE_LLM, model=model_dir, max_num_batched_tokens=128,
-                                      additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
-                      ["context_boundary"], cb_context=600, cb_question=300, cb_max_tokens=8)
+    return _chunked(model_dir, "chunked")
 
 
 @pytest.fixture(scope="session")
 def ngram(model_dir):
     """n-gram speculative decoding (3 drafts per step) with eviction: drafts on compacted requests."""
-    return run_engine("ngram", dict(BASE_LLM, model=model_dir,
-                                    speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                        "prompt_lookup_max": 4, "prompt_lookup_min": 2},
-                                    additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
-                      ["spec_decode"])
+    return _ngram(model_dir, "ngram")
 
 
 FAULTS = ("plan=0.25,apply=0.25,seed=3,only=X,"  # the random scenario's requests (X0, X1, ...)
@@ -342,6 +351,18 @@ def evicting_mrv2(model_dir):
                       ["greedy", "greedy_evicted", "context_boundary", "preempt_abort"],
                       mrv2=True, env=MRV2, greedy_extra_args={"kv_budget": 100000},
                       **PREEMPT, cb_aligned=896)
+
+
+@pytest.fixture(scope="session")
+def chunked_mrv2(model_dir):
+    """``chunked`` on Model Runner V2: 128-token prefill chunks shared by three requests."""
+    return _chunked(model_dir, "chunked_mrv2", mrv2=True, env=MRV2)
+
+
+@pytest.fixture(scope="session")
+def ngram_mrv2(model_dir):
+    """``ngram`` on Model Runner V2 (its own n-gram drafter, a Triton kernel here under the interpreter)."""
+    return _ngram(model_dir, "ngram_mrv2", mrv2=True, env=MRV2)
 
 
 @pytest.fixture(scope="session")

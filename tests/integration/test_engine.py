@@ -450,7 +450,11 @@ def test_speculative_drafts_on_compacted_requests(evicting, ngram):
     with drafts verified over its ragged cache and gives the tokens the same request gives without drafts;
     with rounds every 64 tokens the blocks held stay within budget + T (+ the block vLLM reserves for the
     drafts) after every step; drafts were accepted (fewer steps than tokens); nothing failed or leaked."""
-    sd, ref = ngram["spec_decode"], evicting["spec_decode"]
+    drafts_on_compacted_requests(ngram["spec_decode"], evicting["spec_decode"])
+
+
+def drafts_on_compacted_requests(sd: dict, ref: dict) -> None:
+    """The speculative decoding scenario with drafts (``sd``) against the same requests without (``ref``)."""
     assert sd["failures"] == 0 and sd["free_end"] == 99, sd
     assert sd["tokens"]["SA"] == ref["tokens"]["SA"]
     assert len(sd["tokens"]["SB"]) == 400

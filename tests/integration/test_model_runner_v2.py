@@ -6,13 +6,16 @@ Where MRv2 differs for the plugin: it builds a step's attention metadata before 
 step, so the step is resolved by the first layer and vLLM's kernel gets short contexts for compacted rows by
 prediction (``PageTables.predict``). Every MRv2 engine here is the twin of a V1 engine of ``test_engine.py``
 (same model, settings and scenarios): its tokens, the blocks each request holds after every step, its rounds
-and its failures equal the V1 engine's, whose own tests check them against stock vLLM and budget.py."""
+and its failures equal the V1 engine's, whose own tests check them against stock vLLM and budget.py. The
+n-gram twin is the exception: MRv2 drafts with its own n-gram kernel, so it is checked as V1's is."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
+
+from .test_engine import drafts_on_compacted_requests
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +27,10 @@ def test_the_twins_run_on_the_runner_they_name(evicting, evicting_mrv2, prefix_c
     assert evicting["runner"] == V1_RUNNER
     assert evicting_mrv2["runner"] == MRV2_RUNNER and prefix_cached_mrv2["runner"] == MRV2_RUNNER
     assert evicting_mrv2["connector"] == "ContourKVConnector"
+
+
+def test_the_small_chunk_and_n_gram_twins_run_on_mrv2(chunked, chunked_mrv2, ngram_mrv2):
+    assert chunked["runner"] == V1_RUNNER and chunked_mrv2["runner"] == ngram_mrv2["runner"] == MRV2_RUNNER
 
 
 def test_tokens_equal_v1s_dense_and_compacted(stock, evicting, evicting_mrv2):
@@ -83,6 +90,22 @@ def test_faults_raised_inside_the_backend_equal_v1s(prefix_cached, prefix_cached
     for key in ("tokens", "reasons", "failures", "twins_failures", "request_rounds", "free_end",
                 "requests_left", "worker_requests_left"):
         assert v2[key] == v1[key], key
+
+
+def test_context_boundary_with_small_prefill_chunks_equals_v1s(chunked, chunked_mrv2):
+    """128-token prefill chunks shared by three requests, the context and the question each spanning several:
+    per step the tokens computed, blocks held and compacted region, and the greedy tokens, as on V1."""
+    v1, v2 = chunked["context_boundary"], chunked_mrv2["context_boundary"]
+    for key in ("context", "question", "trace", "contexts", "tokens", "free_end"):
+        assert v2[key] == v1[key], key
+
+
+def test_speculative_drafts_on_compacted_requests(evicting, ngram_mrv2):
+    """n-gram drafts (3 per step) on compacted requests: MRv2 has its own n-gram drafter, which proposes other
+    drafts than V1's (other steps, and so other batch shapes), so this twin is checked as V1's n-gram engine is
+    (``test_engine.py``): the tokens of the same request without drafts, fewer steps, as many rounds, the
+    blocks held within budget + T after every step, nothing failed or leaked."""
+    drafts_on_compacted_requests(ngram_mrv2["spec_decode"], evicting["spec_decode"])
 
 
 def test_kvzip_reconstruction_equals_v1s(prefix_cached, prefix_cached_mrv2):
