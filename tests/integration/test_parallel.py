@@ -37,3 +37,16 @@ def test_tensor_parallel_eviction_matches_one_rank(tiny_tp1, tiny_tp2):
     assert two["private_blocks"] == one["private_blocks"] > 0
     # everything returned to vLLM's pool at the end
     assert two["free_end"] == two["free_before"] and one["free_end"] == one["free_before"]
+
+
+def test_tensor_parallel_on_model_runner_v2_equals_v1s(tiny_tp2, tiny_tp2_mrv2):
+    """TP=2 with both workers on Model Runner V2 (each builds a step's metadata before its connector sees the
+    step): the same tokens, rounds, merged reports, blocks freed and private blocks as TP=2 on V1, and
+    everything back in vLLM's pool."""
+    one, two = tiny_tp2["parallel"], tiny_tp2_mrv2["parallel"]
+    assert "Using V2 Model Runner" in tiny_tp2_mrv2["log"] and "Using V2 Model Runner" not in tiny_tp2["log"]
+    assert "ranks disagree" not in tiny_tp2_mrv2["log"] and tiny_tp2_mrv2["connector"] == "ContourKVConnector"
+    for key in ("tokens", "rounds", "request_rounds", "reports", "freed_blocks", "private_blocks", "free_before",
+                "free_end"):
+        assert two[key] == one[key], key
+    assert two["rounds"] >= 2 * 3 * 3 and two["free_end"] == two["free_before"]
