@@ -3,9 +3,9 @@
 
 The caller hands per-layer ``(key_cache, value_cache)`` views ``[num_blocks, H, bs, D]`` (any strides, or
 the two-level form of ``ops.paged``; an fp8 cache's as ``ops.fp8.KVViews`` with each layer's tables: scoring
-and moments read its numbers, compaction moves its bytes), the request's block ids in logical order (freed blocks may appear as
-anything: they are never read), how many tokens have KV, the request's page budget and, for query-aware
-policies, the captured window queries.
+and moments read its numbers, compaction moves its bytes), the request's block ids in logical order (freed
+blocks may appear as anything: they are never read), how many tokens have KV, the request's page budget
+and, for query-aware policies, the captured window queries.
 
 A round looks at the request's *candidates*. The first round: every token of its full blocks ``[0, E2)``
 (with ``kv_context_len`` in ``score_only`` mode: of the context's full blocks). A later round: each head's
@@ -32,7 +32,7 @@ from vllm_contour.budget import PageBudget
 from vllm_contour.config import RequestEviction
 from vllm_contour.layout import RequestLayout, compaction_indices, plan_layout, region_source_table
 from vllm_contour.ops.fp8 import dequant_of, luts_of
-from vllm_contour.ops.paged import dims
+from vllm_contour.ops.paged import dims, head_pages
 from vllm_contour.policies import LayerInputs, Policy, Selection, build_policy
 
 
@@ -277,7 +277,7 @@ def _first_round_inputs(caches, blocks, num_tokens, e_new, block_ids, h, scale, 
     n_blocks = blocks.numel()
     _, _, bs, d = dims(caches[0][0])
     num_layers = len(caches)
-    ids = (blocks.view(1, -1) * h + torch.arange(h).view(-1, 1)).reshape(-1)  # [H * n]: head-major
+    ids = head_pages(blocks, h)  # [H * n]: head-major
     keys = _gather(caches, 0, ids, num_layers * h, n_blocks * bs)[:, :num_tokens]
     values = _gather(caches, 1, ids, num_layers * h, n_blocks * bs)[:, :num_tokens] if with_values else \
         keys.new_empty((num_layers * h, 0, d))

@@ -96,6 +96,8 @@ class KVViews(list):
     def __init__(self, views, dequant: list[KVDequant] | None = None):
         super().__init__(views)
         self.dequant = dequant
+        # every layer's key and value table stacked, ``[L, 256]`` each: what ``gather_pages`` takes, made once
+        self.luts = None if dequant is None else tuple(torch.stack([getattr(d, s) for d in dequant]) for s in "kv")
 
 
 def dequant_of(views, layer: int) -> KVDequant | None:
@@ -106,7 +108,5 @@ def dequant_of(views, layer: int) -> KVDequant | None:
 
 def luts_of(views, side: int) -> torch.Tensor | None:
     """Every layer's key (``side`` 0) or value (1) table, ``[L, 256]`` (``ops.gather_pages``'s ``luts``)."""
-    deq = getattr(views, "dequant", None)
-    if deq is None:
-        return None
-    return torch.stack([d.k if side == 0 else d.v for d in deq])
+    luts = getattr(views, "luts", None)
+    return None if luts is None else luts[side]

@@ -16,6 +16,13 @@ def dims(c: torch.Tensor) -> tuple[int, int, int, int]:
     return nb, h, t1 * t2, d1 * d2
 
 
+def head_pages(block_ids, num_heads: int) -> torch.Tensor:
+    """Head-page ids (``block * H + lane``) of ``block_ids`` in every lane, head-major: ``[H * n]``, lane 0's
+    pages in block order first (a request's pages as ``gather_pages(...).view(L, H, -1, D)`` reads them)."""
+    blocks = torch.as_tensor(block_ids, dtype=torch.int64)
+    return (blocks.view(1, -1) * num_heads + torch.arange(num_heads, device=blocks.device).view(-1, 1)).reshape(-1)
+
+
 def rows(c: torch.Tensor, blk, lane, off) -> torch.Tensor:
     """Token rows ``[..., D]`` (a copy) of (block, lane, offset) index tensors."""
     if c.dim() == 4:

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from vllm_contour import ops
-from vllm_contour.ops.paged import dims
+from vllm_contour.ops.fp8 import luts_of
+from vllm_contour.ops.paged import dims, head_pages
 
 ENV = "VLLM_CONTOUR_RECORD_KVZIP"
 
@@ -30,11 +31,10 @@ def record_round(out: Path, req_id: str, block_ids: list[int], views: list[tuple
     (``C = scores.shape[2]``) to ``out/<req_id>.pt``."""
     _, h, bs, d = dims(views[0][0])
     c = scores.shape[2]
-    blocks = torch.tensor(block_ids[: (c + bs - 1) // bs], dtype=torch.int64)
-    ids = (blocks.view(1, -1) * h + torch.arange(h).view(-1, 1)).reshape(-1).to(views[0][0].device)
+    ids = head_pages(block_ids[: (c + bs - 1) // bs], h).to(views[0][0].device)
     n = len(views)
-    keys = ops.gather_pages([k for k, _ in views], ids).view(n, h, -1, d)[:, :, :c]
-    values = ops.gather_pages([v for _, v in views], ids).view(n, h, -1, d)[:, :, :c]
+    keys, values = (ops.gather_pages([kv[side] for kv in views], ids, luts=luts_of(views, side)).view(n, h, -1, d)[:, :, :c]
+                    for side in (0, 1))
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{req_id}.pt"
     tmp = path.with_suffix(".tmp")

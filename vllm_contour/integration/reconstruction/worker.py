@@ -13,7 +13,7 @@ import torch
 from vllm_contour import ops
 from vllm_contour.integration.messages import ReconItem, RoundItem
 from vllm_contour.ops.fp8 import luts_of
-from vllm_contour.ops.paged import dims
+from vllm_contour.ops.paged import dims, head_pages
 from vllm_contour.policies.scorers.kvzip import reconstruction_max
 
 SINKS = 4  # kvpress's KVzipPress scores its first 4 context tokens 1 (kept as attention sinks)
@@ -54,8 +54,7 @@ class ContextScores:
             more = held[1].new_zeros((num_layers, h, item.context_len - held[1].shape[2]))
             held = self.held[item.owner] = (item.epoch, torch.cat([held[1], more], dim=2))
         scores = held[1]
-        blocks = torch.tensor(item.block_ids, dtype=torch.int64)
-        ids = (blocks.view(1, -1) * h + torch.arange(h).view(-1, 1)).reshape(-1).to(queries.device)
+        ids = head_pages(item.block_ids, h).to(queries.device)
         last = int(positions.max()) + 1
         keys = ops.gather_pages([k for k, _ in views], ids, luts=luts_of(views, 0)).view(num_layers, h, -1, d)[:, :, :last]
         s, e = item.span

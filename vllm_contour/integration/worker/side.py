@@ -27,6 +27,7 @@ from vllm_contour.integration.worker.caches import WorkerCaches
 from vllm_contour.integration.worker.requests import QueryWindow, WorkerRequests
 from vllm_contour.integration.worker.rounds import WorkerRounds, clear_unread
 from vllm_contour.integration.worker.step import ContourStep, mispredicted, window_plan
+from vllm_contour.ops.paged import head_pages
 from vllm_contour.page_tables import RowError
 
 if TYPE_CHECKING:
@@ -180,8 +181,7 @@ class WorkerSide:
             return
         try:
             h = self.caches.dims[1]
-            ids = (torch.tensor(sorted(set(pages)), dtype=torch.int64).view(-1, 1) * h + torch.arange(h)).reshape(-1)
-            ids = ids.to(views[0][0].device)
+            ids = head_pages(sorted(set(pages)), h).to(views[0][0].device)
             for kc, vc in views:
                 ops.clear_pages(kc, vc, ids)
         except Exception as e:  # never into vLLM
