@@ -38,6 +38,8 @@ def default_model() -> str:
 # Shared engine settings: fp32, eager, block 32, a small KV pool (~100 blocks) so memory binds.
 BASE_LLM = dict(dtype="float32", enforce_eager=True, block_size=32, enable_prefix_caching=False,
                 max_model_len=3072, num_gpu_blocks_override=100, max_num_seqs=64, seed=0)
+# SnapKV at 128 tokens per head: the server-wide setting of most engines here
+SNAPKV128 = {"kv_eviction": {"policy": "snapkv", "budget": 128}}
 
 
 # The decode-bound scenario: a long prompt with a long answer, a short prompt with a long answer, and one at a
@@ -121,8 +123,7 @@ def evicting_bf16(model_dir):
         pytest.skip("hardware: this CPU has no bf16 instructions (AMX / AVX-512-bf16), so bf16 is not its "
                     "serving dtype (vLLM emulates it, several times slower than fp32)")
     return run_engine("snapkv128_bf16", dict(BASE_LLM, model=model_dir, dtype="bfloat16",
-                                             additional_config={"kv_eviction": {"policy": "snapkv",
-                                                                                "budget": 128}}),
+                                             additional_config=SNAPKV128),
                       ["greedy", "greedy_none", "free_blocks", "preempt_abort"],
                       greedy_extra_args={"kv_budget": 100000}, free_cases=[[2000, None], [1000, {"kv_budget": 256}]],
                       **PREEMPT)
@@ -146,7 +147,7 @@ def evicting_fp8(model_dir):
     """The evicting engine on fp8 pages: the greedy prompts at a budget above each prompt, then a long prompt
     and two short ones decoding together with rounds every 64 tokens (one with moment correction)."""
     return run_engine("snapkv128_fp8", dict(FP8_LLM, model=model_dir,
-                                            additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
+                                            additional_config=SNAPKV128),
                       ["greedy", "decode_bound"], greedy_extra_args={"kv_budget": 100000}, **FP8_GREEDY,
                       bound_cases=[[700, 130], [80, 130], [300, 100, {"kv_budget": 256, "kv_moment_correction": True}]],
                       bound_extra_args={"kv_decode_interval": 64}, bound_logprobs=True)
@@ -157,7 +158,7 @@ def _gemma_llm(**extra) -> dict:
     from vllm_contour.models import fetch_model
 
     return dict(BASE_LLM, model=str(fetch_model("gemma3-270m", quiet=True)), num_gpu_blocks_override=None,
-                **extra, additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}})
+                **extra, additional_config=SNAPKV128)
 
 
 @pytest.fixture(scope="session")
@@ -191,7 +192,7 @@ def evicting(model_dir):
     """SnapKV at 128 tokens per head, decode-time rounds at the default interval. The greedy scenarios
     override the budget per request so that no round may run (budget + T >= prompt + generated)."""
     return run_engine("snapkv128", dict(BASE_LLM, model=model_dir,
-                                        additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
+                                        additional_config=SNAPKV128),
                       ["greedy", "greedy_exact", "greedy_long", "greedy_evicted", "free_blocks", "concurrency",
                        "preempt_abort", "presets", "decode_bound", "budget_formula", "short_moments",
                        "context_boundary", "protocol", "spec_decode", "streaming_input", "prefix_stream",
@@ -221,13 +222,10 @@ def prefix_cached(model_dir):
     """The evicting engine with vLLM's prefix caching on (its default), with the test-only fault switch
     (``PREFIX_FAULTS``)."""
     return run_engine("snapkv128_prefix", dict(BASE_LLM, model=model_dir, enable_prefix_caching=True,
-                                               additional_config={"kv_eviction": {"policy": "snapkv",
-                                                                                  "budget": 128}}),
+                                               additional_config=SNAPKV128),
                       ["prefix_stream", "shared_context", "fault_prefix", "fault_raise", "kvzip", "kvzip_stream"],
                       env={"VLLM_CONTOUR_FAULTS": PREFIX_FAULTS})
 
-
-SNAPKV128 = {"kv_eviction": {"policy": "snapkv", "budget": 128}}
 
 
 def _chunked(model_dir, name: str, **kw) -> dict:
@@ -264,7 +262,7 @@ def faulty(model_dir):
     """The test-only fault switch on: a quarter of the random scenario's rounds fail while planning, a quarter
     after the first layer was compacted; then named failures, one path each (``fault_paths``)."""
     return run_engine("faults", dict(BASE_LLM, model=model_dir,
-                                     additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
+                                     additional_config=SNAPKV128),
                       ["faults", "fault_paths"], env={"VLLM_CONTOUR_FAULTS": FAULTS})
 
 
@@ -274,7 +272,7 @@ def evicting_torch_ops(model_dir):
     """The same eviction engine with every op forced to the torch reference implementation."""
     return run_engine("snapkv128_torch_ops",
                       dict(BASE_LLM, model=model_dir,
-                           additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
+                           additional_config=SNAPKV128),
                       ["greedy_evicted"], env={"VLLM_CONTOUR_OPS_IMPL": "torch"})
 
 
@@ -361,7 +359,7 @@ def evicting_mrv2(model_dir):
     tokens, the context boundary, preemption and aborts (blocks held after every step through decode-time
     rounds: the preemption scenario's; the long-answer scenario on MRv2 is measured in docs/results)."""
     return run_engine("snapkv128_mrv2", dict(BASE_LLM, model=model_dir,
-                                             additional_config={"kv_eviction": {"policy": "snapkv", "budget": 128}}),
+                                             additional_config=SNAPKV128),
                       ["greedy", "greedy_evicted", "context_boundary", "preempt_abort"],
                       mrv2=True, env=MRV2, greedy_extra_args={"kv_budget": 100000},
                       **PREEMPT, cb_aligned=896)
@@ -384,7 +382,6 @@ def prefix_cached_mrv2(model_dir):
     """``prefix_cached`` on Model Runner V2: shared compressed contexts, KVzip's reconstruction, apply failures
     with prefix caching, faults raised inside the backend (the same fault switch)."""
     return run_engine("snapkv128_prefix_mrv2", dict(BASE_LLM, model=model_dir, enable_prefix_caching=True,
-                                                    additional_config={"kv_eviction": {"policy": "snapkv",
-                                                                                       "budget": 128}}),
+                                                    additional_config=SNAPKV128),
                       ["shared_context", "fault_prefix", "fault_raise", "kvzip"], mrv2=True,
                       env=dict(MRV2, VLLM_CONTOUR_FAULTS=PREFIX_FAULTS))

@@ -30,9 +30,7 @@ def test_hybrid_model_evicts_in_its_full_attention_layers(gemma):
         assert max(t[i] for t in ev["trace"][1:]) <= 512 // bs + 2
     dec = g["runs"]["Hdecode"]
     assert len(dec["tokens"]) == 160
-    from vllm_contour.budget import page_budget
-
-    from vllm_contour.budget import query_blocks_for
+    from vllm_contour.budget import page_budget, query_blocks_for
 
     q = query_blocks_for(32, 4, bs, 4, 4)  # SnapKV's 32 window queries of Gemma's 4 query heads
     bound = page_budget(128, num_kv_heads=1, block_size=bs, head_dim=256, elem_size=4, sink_tokens=4,

@@ -1,7 +1,8 @@
 """TEST ONLY: the fault switch. ``install(spec)`` (spec from ``VLLM_CONTOUR_FAULTS``, which tests set; the
 plugin's ``register()`` passes it on in every vLLM process) wraps the worker side's methods so that chosen
 eviction rounds, compacted rows, the attention backend's builder or impl, or the start-up layout probe fail,
-and the tests can check that a failure stays with its request. Product code has no fault branches: with the variable unset nothing is wrapped.
+and the tests can check that a failure stays with its request. Product code has no fault branches: with the
+variable unset nothing is wrapped.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ class FaultSwitch:
     step it runs compacted. KIND ``builder`` makes the evicting group's metadata builder raise in the N-th step
     the request runs compacted, ``impl`` the compacted attention op raise in that step (its best
     implementation and the torch reference, every layer), ``kernel`` only its best implementation (the
-    reference then serves the step): raised inside the backend, not written into the report. ``layout=scramble`` makes the start-up layout probe see vLLM's cache write
-    through a scrambled page (an unknown layout)."""
+    reference then serves the step): raised inside the backend, not written into the report.
+    ``layout=scramble`` makes the start-up layout probe see vLLM's cache write through a scrambled page (an
+    unknown layout)."""
 
     def __init__(self, spec: str | None):
         self.rates: dict[str, float] = {}

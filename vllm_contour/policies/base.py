@@ -212,7 +212,8 @@ class ModelIdentity:
 
 class Scorer(Component):
     needs_reconstruction: ClassVar[bool] = False  # scores with the engine's context reconstruction (KVzip)
-    # learned for one model: the engine calls ``bind_model`` with the served model before any round (KVzap)
+    # learned for one model: ``bind_model`` with the served model before any round (KVzap; no preset uses
+    # such a scorer, so the engine binds none)
     binds_model: ClassVar[bool] = False
     # carries its kept tokens' scores into the next round (``Selection.scores`` -> ``LayerInputs.prior``; H2O)
     accumulates: ClassVar[bool] = False

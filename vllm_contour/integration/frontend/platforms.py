@@ -65,6 +65,7 @@ class Platform:
     backend: str  # the AttentionBackendEnum member the plugin's backend is registered over
     backend_cls: str  # "module.Class" of the plugin's backend
     prepare: Callable  # engine_args -> None: wire or refuse (naming the flag) what the backend needs
+    kernels: str = "the plugin's kernels"  # what reads its compacted pages (named when a cache dtype is refused)
     quantised: tuple[str, ...] = ()  # --kv-cache-dtype names of quantised caches whose pages its ops read
 
     def check_kv_cache_dtype(self, kv_dtype) -> None:
@@ -72,21 +73,19 @@ class Platform:
         the model's dtype is checked at start-up (``engine_args.cache_shape_of``)."""
         if kv_dtype in (None, "auto", *UNQUANTISED, *self.quantised):
             return
-        why = ""
+        why = f": {self.kernels} read no {kv_dtype} pages"
         if str(kv_dtype).startswith("turboquant_"):
             why = (": TurboQuant packs each head's keys and values, rotated and quantised to 3-8 bits, into one slot "
                    "per token that only vLLM's TURBOQUANT backend reads; there are no per-head pages to pack")
-        elif str(kv_dtype) in FP8:
-            why = ": the Triton kernels read no fp8 pages"
         raise EvictionConfigError(f"--kv-cache-dtype {kv_dtype} cannot be combined with --kv-eviction-policy on "
                                   f"{self.device_type}{why}; use {' or '.join(('auto', *self.quantised))}")
 
 
 PLATFORMS = {
     "cpu": Platform("cpu", "CPU_ATTN", "vllm_contour.integration.backends.cpu.ContourCPUAttentionBackend", _prepare_cpu,
-                    quantised=FP8),
+                    kernels="the C++ kernels", quantised=FP8),
     "cuda": Platform("cuda", "TRITON_ATTN", "vllm_contour.integration.backends.triton.ContourTritonAttentionBackend",
-                     _prepare_cuda),
+                     _prepare_cuda, kernels="the Triton kernels"),
 }
 
 

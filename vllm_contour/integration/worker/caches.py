@@ -50,7 +50,7 @@ class WorkerCaches:
         dequant = None
         if views[0][0].dtype == torch.uint8:  # an fp8 cache: each layer's tables (its scales)
             layers = self.layers()
-            dequant = [getattr(layers[n].impl, "kv_dequant", lambda *_: None)(layers[n], kv) for n, kv in named]
+            dequant = [layers[n].impl.kv_dequant(layers[n], kv) for n, kv in named]
             if any(d is None for d in dequant):
                 raise ValueError("kv_eviction: this attention backend reads no fp8 pages; eviction cannot run on "
                                  "this --kv-cache-dtype")
